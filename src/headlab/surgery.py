@@ -716,7 +716,8 @@ def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], 
         _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
     elif kv_keep != list(range(block.n_kv_heads)):
         _select_heads(block, norms["k"], block.k, kv_keep, journal)
-    _slice_outputs(block.v, kv_index, journal)
+    if block.v is not block.k:  # values from the key projection (Gemma 4's attention_k_eq_v): its rows sliced once
+        _slice_outputs(block.v, kv_index, journal)
     if not keep:  # emptied: its stand-in calls no norm, and the projections are sliced to no row
         for child in block.core.children():
             if getattr(child, SELECTED_ATTR, None):

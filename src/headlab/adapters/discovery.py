@@ -793,8 +793,10 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     if q is not None and k is None and v is None and None not in elsewhere[1:] and elsewhere[1] != elsewhere[2] \
             and (owner is None or not (elsewhere[1] or "").startswith(block + ".")):
         kv_from = elsewhere[1]
-    # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width
-    elif len({q, k, v}) < 3 or None in (q, k, v):
+    # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width.
+    # The values may come from the key projection alone (Gemma 4's attention_k_eq_v: value_states = key_states, taken
+    # before k_norm and rotary): k and v tied to that one module, whose rows a key/value head owns once
+    elif None in (q, k, v) or q in (k, v):
         q = k = v = None
     traced = _source_paths(block, call.sources, names) if None in (q, k, v) else ()
     sub_norm = _relative(block, names.get(id(call.sub_norm))) if call.sub_norm is not None else None

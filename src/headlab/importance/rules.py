@@ -569,6 +569,12 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
+        if block.n_heads and block.k is not None and block.k is block.v:  # Gemma 4's attention_k_eq_v
+            raise HeadlabError(
+                f"LRP: no rule for the attention of {block.name} ({block.family.name}): its values are its keys' "
+                f"projection ({block.family.k}, attention_k_eq_v: value_states = key_states before the key norm and "
+                "rotary), so holding the keys constant there would hold the values constant too and lose their "
+                "relevance")
     if per_layer_input_layers(model) and not per_layer_embeddings(model):
         raise HeadlabError("LRP: no rule for this model's per-layer inputs: its layers multiply by a per-layer input "
                            "(per_layer_input_gate, per_layer_projection), but it has no per-layer token embedding "

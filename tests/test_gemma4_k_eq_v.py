@@ -1,0 +1,115 @@
+"""Gemma 4 with ``attention_k_eq_v=True`` (session 39, keqv).
+
+Its full-attention layers have no value projection: transformers' ``Gemma4TextAttention`` sets ``v_proj = None`` and
+takes ``value_states = key_states`` from ``k_proj`` before ``k_norm`` and rotary (then ``v_norm``). Discovery ties the
+query projection and ``k_proj`` as both the key and the value projection, so physical pruning slices a removed
+key/value head's rows of ``k_proj`` once (its keys and its values); the sliding layers keep their ``v_proj``. Before,
+these layers had no projections tied and pruning was refused ("this family's projection layout is unknown"). LRP
+stays refused, naming the layout: its rule detaches the key projection's output, which here would hold the values
+constant too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks
+from headlab.importance.rules import check_rules
+from support.family_matrix import (
+    check_capture_equals_output_attentions,
+    check_masking_equals_zeroed_values,
+    check_pruned_generates_as_masked,
+    check_pruned_reloads,
+    padded_inputs,
+    perturbed_model,
+    tiny_inputs,
+)
+
+
+def _model(attn_implementation: str = "eager", full: int = 1) -> torch.nn.Module:
+    """A sliding layer (own v_proj) and ``full`` full ones (values from k_proj); 4 heads of 8 over 2."""
+    config = tf.Gemma4TextConfig(
+        vocab_size=99, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_size=32, intermediate_size=37,
+        num_hidden_layers=1 + full, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        layer_types=["sliding_attention"] + ["full_attention"] * full, sliding_window=4, global_head_dim=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99, attention_k_eq_v=True)
+    return perturbed_model(tf.Gemma4ForCausalLM, config, attn_implementation=attn_implementation).double()
+
+
+def _state(model) -> dict:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_the_full_layer_ties_its_key_projection_as_the_values_too():
+    """Before, the full layer had no projection tied (q, k and v None), as the sweep showed."""
+    model = _model()
+    sliding, full = (layer.self_attn for layer in model.model.layers)
+    assert full.v_proj is None
+    blocks = attention_blocks(model)
+    assert (blocks[0].q, blocks[0].k, blocks[0].v) == (sliding.q_proj, sliding.k_proj, sliding.v_proj)
+    assert (blocks[1].q, blocks[1].k, blocks[1].v) == (full.q_proj, full.k_proj, full.k_proj)
+    assert (blocks[1].family.k, blocks[1].family.v) == ("k_proj", "k_proj")
+    assert [(b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == [(4, 2, 8), (4, 2, 8)]
+
+
+def test_capture_equals_eager_output_attentions():
+    check_capture_equals_output_attentions(lambda attn_implementation="sdpa": _model(attn_implementation), "dec_self",
+                                           tiny_inputs())
+
+
+def test_masking_equals_zeroing_a_key_value_heads_rows_of_the_key_projection():
+    """Key/value head j's rows of k_proj zeroed: its values are 0 (v_norm of 0 is 0), so its query heads output 0."""
+    values = (lambda model, layer: model.model.layers[layer].self_attn.k_proj, lambda j: range(8 * j, 8 * j + 8), 2)
+    check_masking_equals_zeroed_values(_model, "dec_self", values, tiny_inputs())
+
+
+@pytest.mark.parametrize("spec, left, kv_rows", [
+    ({("dec_self", 0): [1], ("dec_self", 1): [2, 3]}, [3, 2], 8),  # key/value head 1 of the full layer goes
+    ({("dec_self", 1): [0, 3]}, [4, 2], 16),  # one query head per key/value head stays: k_proj whole
+    ({("dec_self", 1): [0, 1]}, [4, 2], 8),  # key/value head 0 goes: rows 8..15 kept (sliced twice: out of range)
+])
+def test_pruning_equals_masking_on_a_padded_batch_and_in_cached_generation(spec, left, kv_rows, tmp_path):
+    """The full layer's k_proj loses a removed key/value head's rows once (sliced twice, it would lose twice as many or
+    fail); it reloads with load_pruned and with plain transformers. Before, pruning was refused."""
+    model = _model("sdpa")  # eager: the left-padded row's rows fully masked give NaN (the unpruned model's too)
+    ids, mask = padded_inputs(pad_id=2)
+    expected, tokens = check_pruned_generates_as_masked(model, spec, left, ids, mask, atol=1e-10)
+    full = model.model.layers[1].self_attn
+    assert full.v_proj is None
+    assert (full.q_proj.out_features, full.k_proj.out_features, full.o_proj.in_features) == (8 * left[1], kv_rows,
+                                                                                          8 * left[1])
+    assert attention_blocks(model)[1].k is full.k_proj and attention_blocks(model)[1].v is full.k_proj
+    check_pruned_reloads(model.float(), tmp_path, left, ids, mask, expected.float(), tokens)
+
+
+def test_a_full_layer_pruned_to_no_head_equals_masking(tmp_path):
+    """Layer 1 of three (the last layer of each type stores its keys and values, store_full_length_kv, whose emptying
+    is refused on its own)."""
+    model = _model("sdpa", full=2)
+    ids, mask = padded_inputs(pad_id=2)
+    expected, tokens = check_pruned_generates_as_masked(model, {("dec_self", 1): [0, 1, 2, 3]}, [4, 0, 4], ids, mask,
+                                                        atol=1e-10)
+    check_pruned_reloads(model.float(), tmp_path, [4, 0, 4], ids, mask, expected.float(), tokens)
+
+
+def test_lrp_is_refused_naming_the_key_equals_value_layout():
+    """Before, the message said the query and key projections were unknown; now that they are tied, LRP's rule would
+    detach k_proj's output, and the values with it (measured: relevance 2.096 at the first layer for a logit of 2.601)."""
+    model = _model()
+    state = _state(model)
+    with pytest.raises(HeadlabError, match=r"model.layers.1.self_attn .*its values are its keys' projection \(k_proj, "
+                                           r"attention_k_eq_v"):
+        check_rules(model)
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_pruning_an_uneven_group_copies_the_key_projections_rows_and_equals_masking():
+    """Head 0 of the full layer goes: key/value head 0 keeps one query head and head 1 two, so each kept query head
+    gets its own copy of its key/value head's k_proj rows (keys and values both), as for any grouped layer."""
+    model = _model("sdpa")  # eager: the left-padded row's rows fully masked give NaN (the unpruned model's too)
+    ids, mask = padded_inputs(pad_id=2)
+    check_pruned_generates_as_masked(model, {("dec_self", 1): [0]}, [4, 3], ids, mask, atol=1e-10)
+    block = attention_blocks(model)[1]
+    assert block.k is block.v and block.k.out_features == 8 * block.n_kv_heads
