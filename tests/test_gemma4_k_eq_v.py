@@ -4,9 +4,9 @@ Its full-attention layers have no value projection: transformers' ``Gemma4TextAt
 takes ``value_states = key_states`` from ``k_proj`` before ``k_norm`` and rotary (then ``v_norm``). Discovery ties the
 query projection and ``k_proj`` as both the key and the value projection, so physical pruning slices a removed
 key/value head's rows of ``k_proj`` once (its keys and its values); the sliding layers keep their ``v_proj``. Before,
-these layers had no projections tied and pruning was refused ("this family's projection layout is unknown"). LRP
-stays refused, naming the layout: its rule detaches the key projection's output, which here would hold the values
-constant too.
+these layers had no projections tied and pruning was refused ("this family's projection layout is unknown"), and so was
+LRP. LRP's rule holds the keys constant at ``k_norm``'s output here (``rules.KEYS_ONLY``), not at ``k_proj``'s, whose
+output the values are too.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from headlab import HeadlabError, attention_blocks
 from headlab.importance.rules import check_rules
 from support.family_matrix import (
     check_capture_equals_output_attentions,
+    check_lrp_conserves,
     check_masking_equals_zeroed_values,
     check_pruned_generates_as_masked,
     check_pruned_reloads,
@@ -94,15 +95,39 @@ def test_a_full_layer_pruned_to_no_head_equals_masking(tmp_path):
     check_pruned_reloads(model.float(), tmp_path, [4, 0, 4], ids, mask, expected.float(), tokens)
 
 
-def test_lrp_is_refused_naming_the_key_equals_value_layout():
-    """Before, the message said the query and key projections were unknown; now that they are tied, LRP's rule would
-    detach k_proj's output, and the values with it (measured: relevance 2.096 at the first layer for a logit of 2.601)."""
-    model = _model()
-    state = _state(model)
-    with pytest.raises(HeadlabError, match=r"model.layers.1.self_attn .*its values are its keys' projection \(k_proj, "
-                                           r"attention_k_eq_v"):
-        check_rules(model)
-    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+def test_lrp_holds_the_keys_constant_after_the_key_projection_and_passes_relevance_through_the_values():
+    """The rule detaches k_norm's output (the keys alone: KEYS_ONLY), not k_proj's, which the values are too. Before,
+    LRP was refused (its query and key projections unknown); with k_proj detached as for other layers the values lost
+    their relevance (measured by the sweep: 2.096 at the first layer for a logit of 2.601)."""
+    from headlab.importance.rules import lrp_rules
+
+    model = _model(full=2)
+    check_rules(model)
+    seen: dict[str, bool] = {}
+    full = model.model.layers[1].self_attn
+    with torch.enable_grad(), lrp_rules(model):
+        handles = [module.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.requires_grad))
+                   for name, module in (("keys", full.k_norm), ("values", full.v_norm), ("queries", full.q_norm))]
+        # the relevance's source: the token embeddings, as a leaf of the graph
+        handles.append(model.get_input_embeddings().register_forward_hook(
+            lambda m, a, out: out.detach().requires_grad_()))
+        model(**tiny_inputs())
+        for handle in handles:
+            handle.remove()
+    assert seen == {"keys": False, "values": True, "queries": False}
+    check_lrp_conserves(model, model.model.layers[0], rtol=1e-10, atol=1e-12)
+
+
+def test_compute_lrp_conserves_relevance_on_every_sentence():
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    model = _model(full=2)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in (3, 8, 5, 6)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
 
 
 def test_pruning_an_uneven_group_copies_the_key_projections_rows_and_equals_masking():
@@ -113,3 +138,14 @@ def test_pruning_an_uneven_group_copies_the_key_projections_rows_and_equals_mask
     check_pruned_generates_as_masked(model, {("dec_self", 1): [0]}, [4, 3], ids, mask, atol=1e-10)
     block = attention_blocks(model)[1]
     assert block.k is block.v and block.k.out_features == 8 * block.n_kv_heads
+
+
+def test_lrp_is_refused_naming_the_layout_where_no_key_only_module_is_known(monkeypatch):
+    """A class whose values are its key projection's output and whose keys-only module headlab does not know
+    (KEYS_ONLY): refused, naming the layout, before any work (its rule would detach the values with the keys)."""
+    from headlab.importance import rules
+
+    monkeypatch.setattr(rules, "KEYS_ONLY", {})
+    with pytest.raises(HeadlabError, match=r"model.layers.1.self_attn .*its values are its keys' projection \(k_proj, "
+                                           r"attention_k_eq_v"):
+        check_rules(_model())

@@ -569,7 +569,7 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
-        if block.n_heads and block.k is not None and block.k is block.v:  # Gemma 4's attention_k_eq_v
+        if block.n_heads and block.k is not None and block.k is block.v and _keys_only(block) is None:
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its values are its keys' "
                 f"projection ({block.family.k}, attention_k_eq_v: value_states = key_states before the key norm and "
@@ -2145,6 +2145,18 @@ def _unowned_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, module) for path, module in model.named_modules() if id(module) not in owned]
 
 
+KEYS_ONLY = {"Gemma4TextAttention": "k_norm"}
+"""Attention classes whose values may be their key projection's output (Gemma 4's ``attention_k_eq_v``:
+``value_states = key_states`` before the key norm) -> the child the keys alone pass through, whose output LRP
+detaches instead of the projection's, so that the values keep their relevance (transformers 5.24)."""
+
+
+def _keys_only(block: AttentionBlock) -> nn.Module | None:
+    """Where ``block``'s keys, and not its values, pass (:data:`KEYS_ONLY`), else None."""
+    path = KEYS_ONLY.get(type(block.core).__name__)
+    return getattr(block.core, path, None) if path else None
+
+
 def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
     the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
@@ -2163,8 +2175,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output)]
     # keys from another layer (family.kv_from, Gemma 4's key/value sharing): detached there, by that layer's own
     # hook; the shared values carry this layer's relevance back into that layer's value projection
-    if block.k is not None:
-        hooks.append((block.k, _detach_output))
+    if block.k is not None:  # values from the key projection too (attention_k_eq_v): the keys held after it
+        hooks.append((block.k if block.k is not block.v else cast(nn.Module, _keys_only(block)), _detach_output))
     if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
         hooks.append((block.v, _clamp_identity(clip)))
     # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate, and so
