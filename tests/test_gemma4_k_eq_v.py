@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks
+from headlab import HeadlabError, attention_blocks, prune_heads
 from headlab.importance.rules import check_rules
 from support.family_matrix import (
     check_capture_equals_output_attentions,
@@ -149,3 +149,41 @@ def test_lrp_is_refused_naming_the_layout_where_no_key_only_module_is_known(monk
     with pytest.raises(HeadlabError, match=r"model.layers.1.self_attn .*its values are its keys' projection \(k_proj, "
                                            r"attention_k_eq_v"):
         check_rules(_model())
+
+
+def _shared_model() -> torch.nn.Module:
+    """Four layers, sliding and full in turn, the last (full) one reading layer 1's keys and values (num_kv_shared_layers
+    1), which are both k_proj's."""
+    config = tf.Gemma4TextConfig(
+        vocab_size=99, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_size=32, intermediate_size=37,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, global_head_dim=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99, num_kv_shared_layers=1, attention_k_eq_v=True)
+    return perturbed_model(tf.Gemma4ForCausalLM, config, attn_implementation="sdpa").double()
+
+
+def test_a_layer_sharing_keys_that_are_values_ties_its_query_and_names_the_key_projection():
+    """Before, discovery named no source (its keys and values came from one module, not a key and a value projection),
+    so LRP and pruning refused the model."""
+    model = _shared_model()
+    blocks = attention_blocks(model)
+    assert blocks[3].q is model.model.layers[3].self_attn.q_proj and blocks[3].k is None and blocks[3].v is None
+    assert blocks[3].family.kv_from == "model.layers.1.self_attn.k_proj"
+    assert blocks[1].k is blocks[1].v is model.model.layers[1].self_attn.k_proj
+
+
+def test_lrp_conserves_with_a_layer_sharing_keys_that_are_values():
+    model = _shared_model()
+    check_rules(model)
+    check_lrp_conserves(model, model.model.layers[0], rtol=1e-10, atol=1e-12)
+
+
+def test_pruning_with_a_layer_sharing_keys_that_are_values_equals_masking():
+    """Layer 3 keeps heads [0, 3] (one per shared key/value head); layer 1, which it reads, keeps both key/value heads
+    (heads 1 and 3 go)."""
+    model = _shared_model()
+    ids, mask = padded_inputs(pad_id=2)
+    check_pruned_generates_as_masked(model, {("dec_self", 3): [1, 2], ("dec_self", 1): [1, 3]}, [4, 2, 4, 2], ids,
+                                     mask, atol=1e-10)
+    with pytest.raises(HeadlabError, match=r"dec_self:1 .*but layer\(s\) dec_self:3 attend with them too"):
+        prune_heads(_shared_model(), {("dec_self", 1): [2, 3]})

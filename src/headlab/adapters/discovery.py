@@ -788,9 +788,10 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     q, k, v = paths
     kv_from = None
     # keys and values from one key and one value projection of another layer, the queries from this one's (Gemma 4's
-    # key/value-shared layers): the query projection tied alone, the keys' projection named (pruning keeps its heads
-    # while this layer reads them; LRP detaches it there)
-    if q is not None and k is None and v is None and None not in elsewhere[1:] and elsewhere[1] != elsewhere[2] \
+    # key/value-shared layers; one projection for both where that layer's values are its keys', attention_k_eq_v): the
+    # query projection tied alone, the keys' projection named (pruning keeps its heads while this layer reads them; LRP
+    # holds the keys constant there)
+    if q is not None and k is None and v is None and None not in elsewhere[1:] \
             and (owner is None or not (elsewhere[1] or "").startswith(block + ".")):
         kv_from = elsewhere[1]
     # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width.
