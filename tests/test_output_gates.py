@@ -615,19 +615,25 @@ UNCHECKED = {
 }
 
 
-@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
-def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
-    """Inkling2 (and Inkling2-Loop) gate each head by its own rows too, but have parts headlab has not checked
-    (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop layers):
-    refused before any work naming them (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type
-    OUTPUT_GATES does not list). Qwen4-Exp, here until session 36: tests/test_hyper_connection_families.py."""
+def _unchecked(model_type: str):
+    """The tiny eager model of an UNCHECKED type (skipped where this transformers lacks it), with the projections its
+    refusal names."""
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     extra, named = UNCHECKED[model_type]
     config = CONFIG_MAPPING[model_type](**{**_UNCHECKED, **extra})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = model_class_for(config)(config).eval()
+    return model_class_for(config)(config).eval(), named
+
+
+@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
+def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
+    """Inkling2 (and Inkling2-Loop) gate each head by its own rows too, but have parts headlab has not checked
+    (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop layers):
+    refused before any work naming them (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type
+    OUTPUT_GATES does not list). Qwen4-Exp, here until session 36: tests/test_hyper_connection_families.py."""
+    model, named = _unchecked(model_type)
     with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.layers\.\d\.self_attn: an output "
                                            rf"gate from {named}"):
         attention_blocks(model)
@@ -638,13 +644,7 @@ def test_in_float64_where_their_forward_fails_the_refusal_still_names_the_unchec
     """Inkling2's forward does not run in float64 (a float32 product inside), so discovery's probe fails; the refusal
     still names what headlab has not checked (before: "cannot read the output width of Inkling2QueryProjection", from
     the name-based fallback)."""
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    extra, _ = UNCHECKED[model_type]
-    config = CONFIG_MAPPING[model_type](**{**_UNCHECKED, **extra})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = model_class_for(config)(config).double().eval()
+    model = _unchecked(model_type)[0].double()
     with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): its o_proj\.gate_proj gate .* headlab has "
                                            "not checked these"):
         attention_blocks(model)
