@@ -66,7 +66,7 @@ from headlab.importance.rules import _swap_backward
 
 __all__ = ["RULE", "CONNECTIONS", "HEADS", "GATED", "INJECTIONS", "injection_probe_hooks"]
 
-COMBED = ("Glm5NextTextHyperConnection",)
+COMBED = ("Glm5NextTextHyperConnection", "DeepseekV4HyperConnection")
 """GLM-5-Next's connection (manifold-constrained, Xie et al. 2026): ``fn`` ``[(2 + N) N, N d]``, ``base`` ``[(2 + N) N]``,
 ``scale`` ``[3]``; ``pre`` as HY-V4's (without a magnitude), ``post = 2 sigmoid(...)`` and a Sinkhorn-normalised
 ``comb`` ``[N, N]`` that mixes the streams into the write-back, ``comb^T s + post * layer(x)``; it returns
@@ -74,7 +74,7 @@ COMBED = ("Glm5NextTextHyperConnection",)
 CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection", *COMBED)
 """Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]`` (GLM-5-Next's:
 :data:`COMBED`)."""
-HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
+HEADS = ("HYV4HyperHead", "HYV4VLHyperHead", "DeepseekV4HyperHead")
 """Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
 INJECTIONS = ("Qwen4ExpTextPLELayer",)
 """Qwen4-Exp's n-gram injection: ``ple_embedding``, ``key_proj``, ``value_proj``, ``norm_query``, ``conv1d``."""
