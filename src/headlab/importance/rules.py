@@ -104,8 +104,13 @@ The other rules become ordinary backward passes once the right factors are detac
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
 
-* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp; Qwen4-Exp's
-  n-gram embeddings added to them) have no rule: refused before any work, naming them
+* DeepSeek-V4's attention (one key-value head that is both key and value; compressed entries appended to the keys; an
+  indexer; each head's output rotated back): queries detached, keys held constant inside its eager attention, the
+  values not, the compressor's softmax weights held constant (:mod:`headlab.importance.shared_kv_rule`).
+
+* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp, GLM-5-Next,
+  DeepSeek-V4; Qwen4-Exp's n-gram embeddings added to them): their weights held constant
+  (:mod:`headlab.importance.mixer_rules.hyper_connection`); others refused before any work, naming them
   (:mod:`headlab.importance.residual_streams`).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
