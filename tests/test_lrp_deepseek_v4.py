@@ -27,6 +27,7 @@ from headlab.importance.rules import lrp_rules
 from support.lrp_families import (
     assert_conserved,
     check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
     lrp_data,
 )
 from test_deepseek_v4 import build
@@ -58,6 +59,44 @@ def test_compute_lrp_conserves_relevance_on_padded_batches(sizes, longest):
             table = model.model.layers[0].mlp.gate.tid2eid
             table.copy_(torch.randint(0, 4, table.shape, generator=torch.Generator().manual_seed(0)))
     assert_conserved(model, 1e-10, longest=longest)
+
+
+def test_a_float32_model_conserves():
+    """Explained in float64 (compute_lrp widens it), as any float32 model."""
+    assert_conserved(build().float(), 1e-6)
+
+
+def test_a_pruned_model_conserves():
+    """Pruned (layer 0 emptied, one head of each group gone in layers 1 and 2): its kept heads explained, conserved."""
+    from headlab import prune_heads
+
+    model = build()
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1, 2], ("dec_self", 2): [0, 3]})
+    record = assert_conserved(model, 1e-10, longest=12)
+    assert record["n_sentences"] == 4
+
+
+def test_a_sentences_relevance_in_a_padded_batch_is_its_own():
+    """Right-padded beside a longer sentence, a sentence's head relevances and shares are those it gets alone (a real
+    query sees only compressed windows of real tokens: the entries' causality, transformers' block bias)."""
+    model = build()
+    info = describe_model(model)
+    short, long = [5, 17, 33, 8, 61, 1], [9, 12, 40, 22, 70, 31, 28, 44, 13, 6, 1]
+    both = head_relevance(model, next(make_batches(ImportanceData.from_ids([short, long]), info, batch_size=2)))
+    alone = head_relevance(model, next(make_batches(ImportanceData.from_ids([short]), info, batch_size=1)))
+    row = int(both.steps[:, 0][both.steps[:, 1] == len(long) - 1][0]) ^ 1  # the short sentence's row
+    mine = both.steps[:, 0] == row
+    assert int(mine.sum()) == len(alone.steps) == len(short)
+    torch.testing.assert_close(both.logits[mine], alone.logits, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(both.embedding[mine], alone.embedding, rtol=1e-9, atol=1e-12)
+    for key, values in alone.relevance.items():
+        torch.testing.assert_close(both.relevance[key][mine], values, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian"])
+def test_every_strategy_gives_vmaps_shares(strategy):
+    model = build()
+    check_strategies_agree(model, *lrp_data(model), strategy)
 
 
 def _strongly_gated():
