@@ -104,8 +104,13 @@ The other rules become ordinary backward passes once the right factors are detac
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
 
-* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp; Qwen4-Exp's
-  n-gram embeddings added to them) have no rule: refused before any work, naming them
+* DeepSeek-V4's attention (one key-value head that is both key and value; compressed entries appended to the keys; an
+  indexer; each head's output rotated back): queries detached, keys held constant inside its eager attention, the
+  values not, the compressor's softmax weights held constant (:mod:`headlab.importance.shared_kv_rule`).
+
+* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp, GLM-5-Next,
+  DeepSeek-V4; Qwen4-Exp's n-gram embeddings added to them): their weights held constant
+  (:mod:`headlab.importance.mixer_rules.hyper_connection`); others refused before any work, naming them
   (:mod:`headlab.importance.residual_streams`).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
@@ -128,7 +133,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES, VALUE_EMBEDDINGS
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
-from headlab.importance import cca_rule, mixer_rules
+from headlab.importance import cca_rule, mixer_rules, shared_kv_rule
 from headlab.importance.head_map_rule import head_map_hooks, head_map_problem
 from headlab.importance.residual_streams import residual_stream_problem
 from headlab.quantized import UNQUANTIZED_HINT, describe, quantized_modules
@@ -563,6 +568,10 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's own rule
             if (problem := cca_rule.cca_problem(block)) is not None:
+                raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
+            continue
+        if block.n_heads and shared_kv_rule.is_shared_kv(block):  # DeepSeek-V4's: its own rule
+            if (problem := shared_kv_rule.problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
         # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
@@ -2171,6 +2180,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
         return list(_latent_attention_hooks(block))
     if block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's (check_rules checked it)
         return cca_rule.cca_hooks(block)
+    if shared_kv_rule.is_shared_kv(block):  # DeepSeek-V4's (check_rules checked it)
+        return shared_kv_rule.hooks(block)
     if block.qkv is not None and block.family.qkv_layout != "q|k|v":
         # DeBERTa v1's position projections (head rows: the relative embeddings' keys and queries) with them
         return [(block.qkv, _detach_columns(block)), *((module, _detach_output) for module in head_row_modules(block))]
@@ -2298,7 +2309,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for path, module in model.named_modules():
             if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
                 handles.extend(register_hooks(mixer.hooks(module)))
-        yield
+        with shared_kv_rule.keys_held(blocks):  # DeepSeek-V4's keys, which are its values: held in its attention
+            yield
     finally:
         handles.remove()
         for config, implementation in reversed(restore):
