@@ -209,8 +209,19 @@ class Family:
     session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`); ``refused`` refuses both."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
-    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
-    "layout unknown"."""
+    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise, or where a table entry says why (ConvBERT's:
+    its query heads feed its convolution heads); '' elsewhere: said instead of "layout unknown"."""
+    columns_after_heads: str = ""
+    """Attribute of ``core`` holding how many columns the output projection's input has after the heads' ``n_heads x
+    d_head`` (ConvBERT's ``all_head_size``: its span-based dynamic convolution heads' outputs, concatenated after the
+    attention heads'); '' where it has none. headlab's per-head hooks (masks, gates, gradient importance, ablation) pass
+    them through untouched (:func:`headlab.capture.register_head_output_hooks`); physical pruning and LRP, whose
+    slicing and rules know the heads' columns only, must be refused (``refused``: checked when the entry is made)."""
+
+    def __post_init__(self) -> None:
+        if self.columns_after_heads and (not self.refused or self.channels_first):
+            raise ValueError(f"family {self.name!r}: columns after the heads ({self.columns_after_heads}) need a reason "
+                             "physical pruning and LRP are refused (refused), and heads' outputs on the last axis")
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -1146,6 +1157,35 @@ LONGFORMER = Family(
 )
 
 
+# ConvBERT (ConvBertForMaskedLM, transformers 5.24, models/convbert): encoder.layer.N.attention, BERT's names
+# (self.query/key/value, output.dense), outside the attention interface. ConvBertSelfAttention has num_attention_heads
+# // head_ratio softmax heads (1 where that is 0) of attention_head_size = (hidden_size / heads) // 2: query/key/value
+# viewed [.., heads, d], softmax(q k^T / sqrt(d) + mask), returning (context, probs) always (its mask bidirectional
+# whatever is_decoder says: create_bidirectional_mask). Beside them as many span-based dynamic convolution heads: kernels
+# softmax(conv_kernel_layer(query(x) * key_conv_attn_layer(x))) (every attention head's query rows, all heads'
+# channels), applied to conv_out_layer(x) over conv_kernel_size positions. output.dense reads [attention heads' outputs
+# (heads x d) | convolution heads' outputs (all_head_size)]: masking and gating act on a head's columns among the
+# first heads x d (what transformers' old head_mask did: it multiplied attention_probs), the convolution heads' columns
+# passed through untouched. ConvBertModel never passes encoder states: a decoder's crossattention is never fed.
+CONVBERT = Family(
+    name="convbert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)encoder\.layer\.(\d+)\.crossattention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    columns_after_heads="all_head_size",
+    refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
+            "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by the "
+            "attention head count), so removing a head would change the convolution heads, whose outputs output.dense "
+            "reads after the attention heads'",
+    lrp_refused="ConvBERT's span-based dynamic convolution heads (kernels softmax(conv_kernel_layer(query(x) * "
+                "key_conv_attn_layer(x))) applied to conv_out_layer(x) over conv_kernel_size positions) have no LRP "
+                "rule, and their outputs enter output.dense beside the attention heads'",
+)
+
+
 # LED (LEDForConditionalGeneration, transformers 5.24, models/led): two layouts. The encoder's layers.N.self_attn is
 # LEDEncoderAttention, Longformer's attention (longformer_self_attn: LEDEncoderSelfAttention, a copy of
 # LongformerSelfAttention, with query/key/value and their _global twins, called on [seq, batch, d]) and its output
@@ -1478,6 +1518,7 @@ FAMILIES: dict[str, Family] = {
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
+    "convbert": CONVBERT,
     "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
@@ -1567,14 +1608,6 @@ UNSUPPORTED: dict[str, str] = {
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
            "transformer over patches and a local decoder (with cross-attention between bytes and patches), each with "
            "its own layer 0: headlab numbers a model's layers per kind (enc_self, dec_self, dec_cross), in one stack",
-    # tab30c, read in transformers 5.24: ConvBertSelfAttention computes num_attention_heads // head_ratio attention
-    # heads and as many span-based dynamic convolution heads, concatenated before output.dense
-    "convbert": "ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads: the "
-                "convolution kernels are computed from every attention head's queries (query * key_conv_attn_layer, "
-                "then conv_kernel_layer over all heads' channels) and shaped by the attention head count, and "
-                "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
-                "head's weights cannot be removed without changing the convolution heads, and the dynamic "
-                "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
