@@ -89,6 +89,22 @@ def test_capture_is_the_probabilities_the_module_returns(name):
         torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), atol=1e-12, rtol=0)
 
 
+def test_a_padded_rows_convolutions_read_the_padding():
+    """What docs/foundation.md says: ConvBERT's convolutions (key_conv_attn_layer, the unfold of conv_out_layer) have
+    no padding mask in transformers, so in a padded batch a shorter row's last tokens read the padding's states where
+    the row alone reads zeros: layer 0's map (before any convolution) is the row's own, layer 1's is not. headlab's
+    maps and scores are the model's on the batches it runs (batch size 1: each sentence's own)."""
+    model, inputs = build(), tiny_inputs()
+    alone = {"input_ids": inputs["input_ids"][1:, :5], "attention_mask": inputs["attention_mask"][1:, :5]}
+    with torch.no_grad(), capture_attention(model) as record:
+        model(**inputs)
+        padded = [record[("enc_self", layer)][1, :, :5, :5].clone() for layer in (0, 1)]
+        model(**alone)
+        own = [record[("enc_self", layer)][0] for layer in (0, 1)]
+    torch.testing.assert_close(padded[0], own[0], atol=1e-12, rtol=0)
+    assert not torch.allclose(padded[1], own[1], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("name,layer,heads", [("ratio2", 0, [1]), ("ratio2", 1, [0]), ("ratio2", 1, [0, 1]),
                                               ("one-head", 0, [0])])
 def test_masking_zeroes_the_heads_attention_columns_only(name, layer, heads):
@@ -143,6 +159,82 @@ def test_hard_concrete_gates_are_one_per_attention_head_and_a_closed_one_masks_i
         model.train()  # the gates sample in the model's training mode
         model(**inputs).logits.pow(2).mean().backward()
     assert all(bool(alpha.grad.abs().min() > 0) for alpha in gates.log_alpha.values())
+
+
+def _sentence_nll(model, ids: list[int], special: set[int], scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A sentence's mean token NLL against its own (unmasked, non-special) tokens, the masked-LM loss headlab's
+    measures use without a mask token; with ``scales`` ([layers, heads]) each head's attention columns multiplied by
+    its entry by hand."""
+    handles = []
+    if scales is not None:
+        for layer, core in enumerate(_cores(model)):
+            def scale(module, args, output, layer=layer):
+                d, heads = module.attention_head_size, module.num_attention_heads
+                context = output[0]
+                factors = scales[layer].repeat_interleave(d)
+                ones = torch.ones(context.shape[-1] - heads * d, dtype=context.dtype)  # the convolution heads' columns
+                return (context * torch.cat([factors, ones]), *output[1:])
+            handles.append(core.register_forward_hook(scale))
+    try:
+        tokens = torch.tensor([ids])
+        keep = torch.tensor([t not in special for t in ids])
+        out = model(input_ids=tokens).logits[0]
+        return torch.nn.functional.cross_entropy(out[keep], tokens[0][keep])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+SENTENCES = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18, 19]]
+
+
+def test_gradient_importance_is_the_derivative_by_the_heads_attention_columns():
+    """compute_gradient (raw) is, per head, the mean over sentences of |dL/ds| where s multiplies the head's attention
+    columns by hand (the convolution heads' kept), to float32's precision (the gates')."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance.gradient import compute_gradient
+    from headlab.model_description import describe_model
+
+    model = build()
+    info = describe_model(model)
+    # batches of one sentence: in a padded batch ConvBERT's convolutions read the padding (the test below)
+    scores = compute_gradient(model, ImportanceData.from_ids(SENTENCES), info, batch_size=1, normalize=False)
+    expected = torch.zeros(2, 2, dtype=torch.float64)
+    for ids in SENTENCES:
+        scales = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+        _sentence_nll(model, ids, set(info.special_ids), scales).backward()
+        expected += scales.grad.abs() / len(SENTENCES)
+    assert expected.min() > 0
+    # the gates' gradients are float32 (headlab's gates), the model float64
+    torch.testing.assert_close(torch.tensor(scores["enc_self"], dtype=torch.float64), expected, atol=0, rtol=1e-6)
+
+
+def test_ablation_is_the_loss_with_the_heads_attention_columns_zeroed():
+    """compute_ablation (three masked copies of a sentence per forward call) is, per head, the mean token NLL with the head's
+    attention columns zeroed by hand minus the model's, to 2e-6 (its float32 sums)."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance.ablation import compute_ablation
+    from headlab.model_description import describe_model
+
+    model = build()
+    info = describe_model(model)
+    special = set(info.special_ids)
+    # three masked copies of one sentence per forward call (no padding: the convolutions would read it)
+    scores = compute_ablation(model, ImportanceData.from_ids(SENTENCES), info, batch_size=1, max_rows=3)
+
+    def total(scales=None) -> float:
+        with torch.no_grad():
+            losses = [_sentence_nll(model, ids, special, scales) * sum(t not in special for t in ids)
+                      for ids in SENTENCES]
+        return float(sum(losses)) / sum(sum(t not in special for t in ids) for ids in SENTENCES)
+
+    base = total()
+    for layer in (0, 1):
+        for head in (0, 1):
+            scales = torch.ones(2, 2, dtype=torch.float64)
+            scales[layer, head] = 0.0
+            # ablation sums the loss in float32 (tests/test_importance_ablation.py: the same tolerance)
+            assert scores["enc_self"][layer, head] == pytest.approx(total(scales) - base, abs=2e-6), (layer, head)
 
 
 def _never_run(model) -> list[int]:
