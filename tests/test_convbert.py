@@ -69,6 +69,14 @@ def test_blocks_are_the_attention_heads_with_the_convolution_columns_after_them(
         [("enc_self", layer, heads, heads, d, heads * d) for layer in (0, 1)]
 
 
+def test_the_heads_table_says_what_follows_the_heads():
+    from headlab.commands import heads_table
+
+    table = heads_table(attention_blocks(build()))
+    assert "convbert.encoder.layer.1.attention (then 16 columns that are not its heads')" in table, table
+    assert table.splitlines()[-1] == "total: enc_self 4; 4 heads"
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_capture_is_the_probabilities_the_module_returns(name):
     """On a padded batch, to 1e-12: each layer's map is the attention_probs ConvBertSelfAttention returns, its rows
