@@ -245,6 +245,34 @@ def test_ablation_is_the_loss_with_the_heads_attention_columns_zeroed():
             assert scores["enc_self"][layer, head] == pytest.approx(total(scales) - base, abs=2e-6), (layer, head)
 
 
+def test_confidence_is_the_same_on_every_engine():
+    """Its attention does not go through transformers' attention interface: the default and chunked engines take the
+    eager maps (stream_attention's fallback) and give eager's scores to float32's rounding."""
+    import numpy as np
+
+    from headlab.capture import not_streamable
+    from headlab.importance import ImportanceData, compute_confidence, describe_model
+
+    model = build()
+    assert "does not dispatch through transformers' AttentionInterface" in not_streamable(model)
+    info = describe_model(model)
+    data = ImportanceData.from_ids(SENTENCES)
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        np.testing.assert_allclose(streamed["enc_self"], eager["enc_self"], rtol=1e-6, atol=1e-12)
+
+
+def test_a_family_with_columns_after_its_heads_must_say_why_pruning_and_lrp_are_refused():
+    """The per-head hooks pass the columns after the heads through; pruning's slicing and LRP's rules do not know them,
+    so a table entry with such columns and no refusal is an error when it is written."""
+    from headlab.adapters.families import CONVBERT, Family
+
+    with pytest.raises(ValueError, match="need a reason physical pruning and LRP are refused"):
+        Family(name="x", patterns=(), q="q", k="k", v="v", o="o", d_head_attr="d", columns_after_heads="width")
+    assert CONVBERT.refused and CONVBERT.lrp_refused and CONVBERT.columns_after_heads == "all_head_size"
+
+
 def _never_run(model) -> list[int]:
     calls = [0]
     model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
