@@ -491,7 +491,8 @@ def matrix_types() -> set[str]:
     # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
-    types |= {"mvp", "prophetnet", "pegasus_x"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"mvp", "prophetnet"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"pegasus_x"}  # tests/test_pegasus_x.py (session 40)
     types |= {"longt5"}  # tests/test_longt5.py (session 32)
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py

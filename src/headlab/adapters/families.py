@@ -1436,6 +1436,78 @@ DEEPSEEK_V4 = Family(
                 "compressor, the indexer or the inverse rotation")
 
 
+def pegasus_x_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """PEGASUS-X's encoder map over the tokens from ``PegasusXGlobalLocalAttention``'s output (transformers 5.24, its
+    forward read): ``output[2]["local"]`` is ``[batch, heads, blocks, block_size, num_global_tokens + block_size]``, the
+    softmax of each token over [the learned global tokens | its own block's tokens]. The tokens it was called on are
+    the encoder's, padded to a multiple of block_size (cut back by ``Family.padded_by``), and in a staggered layer
+    (``stagger_blocks_this_layer``) with block_size / 2 masked slots more before and after them, which shift every
+    token's block by half a block: ``core.headlab_stagger`` (set by :func:`_pegasus_x_marks`) says by how many slots.
+    Token ``q``'s row holds its probabilities over the tokens of its block (``(q + stagger) // block_size``), zeros
+    outside it (not one of its keys); what the row lacks to one is its mass on the global tokens, left out as a sink's
+    share is. A masked key has probability exactly 0 (a finfo.min score beside the global tokens' unmasked ones). The
+    global tokens' own rows (``output[2]["global"]``, over [global | every token]) are not rows of input tokens: left
+    out."""
+    import torch
+
+    from headlab.errors import HeadlabError
+
+    probs = output[2]["local"] if isinstance(output, tuple) and len(output) > 2 and isinstance(output[2], dict) \
+        else None
+    offset = getattr(core, "headlab_stagger", None)
+    if probs is None or not isinstance(offset, int):
+        raise HeadlabError(f"{type(core).__name__}: returned no local probabilities, or its layer's staggering is "
+                           "unknown (headlab.adapters.attention_blocks marks it)")
+    batch, heads, blocks, size, width = probs.shape
+    n = blocks * size - 2 * offset  # the encoder's tokens, padded to a multiple of block_size
+    positions = torch.arange(n, device=probs.device) + offset  # where each token sits in the layer's padded input
+    rows = probs.reshape(batch, heads, blocks * size, width)[:, :, positions]
+    columns = (width - size + positions % size).expand(batch, heads, n, n)  # key k's column in its own block
+    same = (positions // size)[:, None] == (positions // size)[None, :]
+    return torch.where(same, rows.gather(-1, columns), torch.zeros((), dtype=probs.dtype, device=probs.device))
+
+
+def _pegasus_x_marks(model: Any) -> None:
+    """Marks each encoder attention of PEGASUS-X with how many slots its layer pads its input with before the first
+    token (``block_size // 2`` where the layer staggers its blocks, else 0), which :func:`pegasus_x_probs` reads: an
+    attribute the forward never reads."""
+    for module in model.modules():
+        if type(module).__name__ == "PegasusXEncoderLayer":
+            module.self_attn.headlab_stagger = module.block_size // 2 if module.stagger_blocks_this_layer else 0
+
+
+# PEGASUS-X (PegasusXForConditionalGeneration, google/pegasus-x-*, transformers 5.24, models/pegasus_x; session 40,
+# branch pegx): the decoder's self_attn and encoder_attn are PegasusXAttention, BART's layout through the attention
+# interface (a part). The encoder's layers.N.self_attn is PegasusXGlobalLocalAttention, outside the interface, bias-free
+# q_proj/k_proj/v_proj/out_proj viewed [.., num_heads, head_dim]: the tokens (padded to a multiple of block_size by the
+# encoder, and by block_size / 2 more each side in every other layer) attend per block over [num_global_tokens
+# learned global tokens | their block]; the global tokens (embed_global, their own states from layer to layer) over
+# [global | every token], through the same projections. It always returns (tokens' output, global tokens' output,
+# {"global": .., "local": ..}): out_proj runs twice, on the global tokens' heads first, then on the tokens'. Masking a
+# head at out_proj's input therefore removes it from both, as pruning does. Its forward merges the heads to the
+# input's width: a pruned layer takes PRUNED_FORWARDS["pegasus-x"]; one with no head left returns out_proj's (absent)
+# bias for the tokens and for the global tokens (portable_code.SECOND_STREAMS).
+PEGASUS_X_DECODER = replace(BART_LIKE, name="pegasus-x-decoder", patterns=BART_LIKE.patterns[1:])
+PEGASUS_X = Family(
+    name="pegasus-x",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_index=2,
+    probs_reader=pegasus_x_probs,
+    padded_by="PegasusXEncoder",
+    pruned_forward="pegasus-x",
+    install=_pegasus_x_marks,
+    lrp_refused="PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention) runs its heads for the learned global "
+                "tokens too (out_proj called twice, the global tokens' heads first), whose states start from a learned "
+                "embedding (embed_global), not from the input's tokens: headlab's LRP reads one call of the output "
+                "projection per layer and has no rule that counts the relevance reaching the global tokens' "
+                "embedding",
+    parts=(PEGASUS_X_DECODER,),
+)
+
+
 def merged_attention_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """A merged attention's map over the decoder's tokens (:data:`MERGED_ATTENTION`): ``T5Gemma2MergedAttention``
     (transformers 5.24, its forward read) takes one softmax per head over ``[the decoder's keys | the encoder's]`` and
@@ -1505,6 +1577,7 @@ FAMILIES: dict[str, Family] = {
     "albert": ALBERT,
     "xlnet": XLNET,
     "deepseek_v4": DEEPSEEK_V4,
+    "pegasus_x": PEGASUS_X,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -1599,15 +1672,6 @@ UNSUPPORTED: dict[str, str] = {
                   "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
                   "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
                   "without the decoder's self-attention would leave its heads out",
-    # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
-    # (PegasusXAttention) goes through the attention interface, the encoder's does not
-    "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
-                 "transformers' attention interface) returns no probabilities per head, and a head's attention is not "
-                 "a [query, key] map over the input's tokens: each token attends over [the num_global_tokens learned "
-                 "global tokens | its own block of block_size tokens] (every other layer's blocks staggered by "
-                 "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
-                 "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
-                 "not sum to one; an analysis would cover its decoder only",
     # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
     # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
     # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias

@@ -558,6 +558,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             if (problem := cca_rule.cca_problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
+        if block.n_heads and block.family.lrp_refused and block.q is not None:  # tied projections, a part without a rule
+            raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): "
+                               f"{block.family.lrp_refused}")
         # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
         refused = block.family.lrp_refused or block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
         if block.n_heads and block.q is None and block.qkv is None and refused:
