@@ -116,6 +116,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
     # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded)
     "longt5": {"local_radius": 2},
+    "pegasus_x": {"block_size": 4, "num_global_tokens": 3},  # several blocks of the 7 tokens, staggered and not
     **{t: {**MLA, "head_dim": 4} for t in ("deepseek_v3", "mistral4")},  # head_dim: the rotary part
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
@@ -629,6 +630,13 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
         from support.longt5 import dense_maps as longt5_maps
 
         encoder = longt5_maps(out.encoder_attentions, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
+        return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
+    if model.config.model_type == "pegasus_x":  # its encoder's blocks put in place, the global tokens' share left out
+        from support.pegasus_x import dense_maps as pegasus_x_maps
+
+        staggered = [layer.stagger_blocks_this_layer for layer in model.get_encoder().layers]
+        encoder = pegasus_x_maps(out.encoder_attentions, inputs["input_ids"].shape[1], model.config.block_size,
+                                 staggered, inputs.get("attention_mask"))
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,

@@ -9,7 +9,8 @@ through the attention interface. On tiny float64 models (block_size 4, 3 global 
 blocks, four in a staggered layer), with a batch padded on the right and on the left:
 
 * capture's encoder map equals the probabilities recomputed by hand from the layer's projections (each token over its
-  block's tokens, zeros elsewhere, the global tokens' share left out), staggered and unstaggered layers, to 1e-12;
+  block's tokens, zeros elsewhere, the global tokens' share left out), staggered and unstaggered layers, to 1e-12,
+  and its ``output_attentions`` blocks put in place bit for bit;
   with the global share it returns, each real token's row sums to one; the decoder's and the cross-attention's equal
   ``output_attentions``;
 * masking a head equals zeroing its value rows (the encoder's: for the tokens and the global tokens alike); gates at
@@ -32,6 +33,7 @@ import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model
+from support.pegasus_x import dense_maps
 from support.seq2seq_families import (
     KINDS,
     check_captured_probabilities,
@@ -118,9 +120,9 @@ def _by_hand(core, call: dict, stagger: int, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("stagger", [True, False], ids=["staggered", "unstaggered"])
 def test_captured_probabilities_are_the_models_own(stagger):
     """The encoder's maps (layer 0 unstaggered, layer 1 staggered where the config staggers) equal the probabilities
-    recomputed by hand from the layer's projections to 1e-12, cut to the 11 input tokens; the decoder's and the
-    cross-attention's equal output_attentions bit for bit (check_captured_probabilities compares the encoder's with
-    the reference to 1e-12, the others too)."""
+    recomputed by hand from the layer's projections to 1e-12, cut to the 11 input tokens, and its output_attentions'
+    blocks put in place bit for bit (tests/support/pegasus_x.py); the decoder's and the cross-attention's equal
+    output_attentions (check_captured_probabilities, to 1e-12)."""
     model = tiny_pegasus_x(stagger_local_blocks=stagger)
     inputs = _inputs()
     assert [layer.stagger_blocks_this_layer for layer in model.model.encoder.layers] == [False, stagger]
@@ -130,8 +132,13 @@ def test_captured_probabilities_are_the_models_own(stagger):
                      for layer, call in zip(model.model.encoder.layers, calls)]
     record = check_captured_probabilities(model, {k: v for k, v in inputs.items()}, encoder=lambda out: reference,
                                           atol=1e-12)
+    with torch.no_grad():  # its output_attentions' blocks, put in place entry by entry: bit for bit
+        out = model(**inputs, output_attentions=True)
+    staggered = [layer.stagger_blocks_this_layer for layer in model.model.encoder.layers]
+    theirs = dense_maps(out.encoder_attentions, 11, BLOCK, staggered, inputs["attention_mask"])
     real = inputs["attention_mask"].bool()
     for layer, call in enumerate(calls):
+        assert torch.equal(record[("enc_self", layer)], theirs[layer])
         probs = record[("enc_self", layer)]
         assert probs.shape == (3, 4, 11, 11)
         # the global tokens' share, from the layer's own local probabilities, makes every real token's row one
