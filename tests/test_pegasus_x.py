@@ -274,3 +274,34 @@ def test_analyze_end_to_end(tmp_path, capsys):
         for (kind, _), maps in attention.items():
             if kind == "dec_self":
                 assert maps.shape[-1] > 1 and np.triu(maps.sum(0), k=1).sum() == 0
+
+
+def test_hard_concrete_gates_draw_once_per_call_for_the_tokens_and_the_global_tokens():
+    """In training, a Hard Concrete gate of an encoder head is drawn once per call of the attention, and that one
+    sample scales the head's output for the global tokens and for the tokens: the pass equals one with constant gates
+    at the drawn values. Before (a draw at each of out_proj's two runs), the global tokens' heads took another
+    sample than the tokens'."""
+    from headlab import ConstantGates, gates_attached
+    from headlab.pruning import HardConcreteGates
+
+    model = tiny_pegasus_x(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    gates = HardConcreteGates.for_model(model)
+    drawn: dict = {}
+    own = gates.gate
+
+    def recorded(key):
+        value = own(key)
+        drawn.setdefault(key, []).append(value.detach().clone())
+        return value
+
+    gates.gate = recorded
+    torch.manual_seed(5)
+    with gates_attached(model, gates):
+        model.train()
+        with torch.no_grad():
+            trained = model(**_inputs()).logits
+        model.eval()
+    assert {key: len(values) for key, values in drawn.items()} == {b.key: 1 for b in attention_blocks(model)}
+    assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
+    with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
+        torch.testing.assert_close(logits(model, _inputs()), trained, atol=1e-12, rtol=0)

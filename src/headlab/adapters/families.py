@@ -204,6 +204,10 @@ class Family:
     """The projection (path relative to ``core``) that reads the output projection's output and gives the layer's
     (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
+    output_calls: int = 1
+    """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
+    global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
+    scales every run with that sample (:mod:`headlab.gates`), so a head is on or off for all of them."""
     lrp_refused: str = ""
     """Why LRP refuses this block where physical pruning does not (DeepSeek-V4: no rule for its compressor, indexer
     and inverse rotation); '' elsewhere (``refused`` refuses both)."""
@@ -1499,6 +1503,7 @@ PEGASUS_X = Family(
     padded_by="PegasusXEncoder",
     pruned_forward="pegasus-x",
     install=_pegasus_x_marks,
+    output_calls=2,
     lrp_refused="PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention) runs its heads for the learned global "
                 "tokens too (out_proj called twice, the global tokens' heads first), whose states start from a learned "
                 "embedding (embed_global), not from the input's tokens: headlab's LRP reads one call of the output "
