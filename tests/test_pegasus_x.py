@@ -305,3 +305,23 @@ def test_hard_concrete_gates_draw_once_per_call_for_the_tokens_and_the_global_to
     assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
     with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
         torch.testing.assert_close(logits(model, _inputs()), trained, atol=1e-12, rtol=0)
+
+
+def test_confidence_is_the_same_on_every_engine():
+    """The encoder's attention does not dispatch through transformers' interface: the default and chunked engines
+    take its eager maps (read as capture reads them), the decoder's through headlab's function, and give eager's
+    scores."""
+    import numpy as np
+
+    from headlab.capture import not_streamable
+    from headlab.importance import compute_confidence
+    from support.seq2seq_families import translated_data
+
+    model = tiny_pegasus_x()
+    assert "does not dispatch" in not_streamable(model)
+    data, info = translated_data(model, eos=1)  # sources of 4, 7 and 10 tokens: one to three blocks
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        for kind in eager.kinds:
+            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=1e-6, atol=1e-12)
