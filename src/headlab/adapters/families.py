@@ -207,7 +207,8 @@ class Family:
     output_calls: int = 1
     """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
     global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
-    scales every run with that sample (:mod:`headlab.gates`), so a head is on or off for all of them."""
+    scales every run with that sample (:mod:`headlab.gates`), so a head is on or off for all of them; LRP sums a
+    head's relevance over the runs (:func:`headlab.importance.lrp.head_relevance`)."""
     lrp_refused: str = ""
     """Why LRP refuses this block where physical pruning does not (DeepSeek-V4: no rule for its compressor, indexer
     and inverse rotation); '' elsewhere (``refused`` refuses both)."""
@@ -1490,7 +1491,14 @@ def _pegasus_x_marks(model: Any) -> None:
 # {"global": .., "local": ..}): out_proj runs twice, on the global tokens' heads first, then on the tokens'. Masking a
 # head at out_proj's input therefore removes it from both, as pruning does. Its forward merges the heads to the
 # input's width: a pruned layer takes PRUNED_FORWARDS["pegasus-x"]; one with no head left returns out_proj's (absent)
-# bias for the tokens and for the global tokens (portable_code.SECOND_STREAMS).
+# bias for the tokens and for the global tokens (portable_code.SECOND_STREAMS). LRP holds q and k constant (both
+# streams' scores), sums a head's relevance over both runs of out_proj (output_calls) and keeps what reaches the global
+# tokens' embedding as a bias's (LEARNED_TOKENS).
+LEARNED_TOKENS: dict[str, str] = {"PegasusXEncoder": "embed_global"}
+"""Modules (by class) whose child embedding gives learned tokens that are not input tokens but run through the layers
+beside them (PEGASUS-X's encoder: ``embed_global``, its global tokens): LRP counts the relevance that reaches them as
+a bias's (a constant of the model), so that conservation holds (:mod:`headlab.importance.lrp`)."""
+
 PEGASUS_X_DECODER = replace(BART_LIKE, name="pegasus-x-decoder", patterns=BART_LIKE.patterns[1:])
 PEGASUS_X = Family(
     name="pegasus-x",
@@ -1504,11 +1512,6 @@ PEGASUS_X = Family(
     pruned_forward="pegasus-x",
     install=_pegasus_x_marks,
     output_calls=2,
-    lrp_refused="PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention) runs its heads for the learned global "
-                "tokens too (out_proj called twice, the global tokens' heads first), whose states start from a learned "
-                "embedding (embed_global), not from the input's tokens: headlab's LRP reads one call of the output "
-                "projection per layer and has no rule that counts the relevance reaching the global tokens' "
-                "embedding",
     parts=(PEGASUS_X_DECODER,),
 )
 
