@@ -27,6 +27,7 @@ from support.family_matrix import (
     perturbed_model,
     tiny_inputs,
 )
+from support.lrp_families import assert_conserved
 
 
 def _model(attn_implementation: str = "eager", full: int = 1) -> torch.nn.Module:
@@ -119,15 +120,8 @@ def test_lrp_holds_the_keys_constant_after_the_key_projection_and_passes_relevan
 
 
 def test_compute_lrp_conserves_relevance_on_every_sentence():
-    from headlab.importance import ImportanceData, compute_lrp, describe_model
-
     model = _model(full=2)
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in (3, 8, 5, 6)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
-    total = record["with_biases"]
-    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
+    assert_conserved(model, 1e-10)
 
 
 def test_pruning_an_uneven_group_copies_the_key_projections_rows_and_equals_masking():

@@ -20,6 +20,7 @@ import transformers as tf
 from headlab import HeadlabError, attention_blocks, mask_heads, prune_heads
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves, perturbed_model
+from support.lrp_families import assert_conserved
 
 _IDS = torch.tensor([[3, 5, 7, 9, 11, 13, 17], [4, 6, 8, 10, 12, 14, 16]])
 
@@ -82,15 +83,8 @@ def test_lrp_conserves_relevance_through_the_shared_keys_and_values(shared):
 def test_compute_lrp_conserves_relevance_on_every_sentence(dtype):
     """compute_lrp end to end (float32 widened to float64 for the gated MLPs' product rule): every sentence's
     relevance, biases and per-layer token embeddings counted, sums to its logit."""
-    from headlab.importance import ImportanceData, compute_lrp, describe_model
-
     model = _model(2).to(dtype)
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in (3, 8, 5, 6)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
-    total = record["with_biases"]
-    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
+    assert_conserved(model, 1e-10)
 
 
 def test_pruning_a_source_layer_that_keeps_its_key_value_heads_equals_masking():

@@ -150,3 +150,15 @@ def test_a_tokenizer_json_is_loaded_as_written_when_transformers_builds_another_
         tokenizer.save_pretrained(gpt2)
         assert load_tokenizer(str(gpt2))("the cat sat").input_ids == tokenizer("the cat sat").input_ids
     assert "as written" not in caplog.text
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("bitsandbytes") is not None,
+                    reason="bitsandbytes is installed here: the checkpoint would load")
+def test_a_quantized_checkpoint_whose_package_is_missing_is_a_clear_error(tmp_path):
+    """Before, transformers' ImportError reached the command line as "internal error ... a bug in headlab"."""
+    model = tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    model.save_pretrained(tmp_path / "q")
+    with pytest.raises(HeadlabError, match=r"q: cannot load it here: its quantization_config \(bitsandbytes\) needs "
+                                           r"what is not installed \(.*bitsandbytes"):
+        load_model(str(tmp_path / "q"))

@@ -189,6 +189,14 @@ def load_model(
                            "back from them: load the directory headlab saved, headlab.save_pruned's)") from None
     except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
+    except ImportError as error:  # a quantizer's package (bitsandbytes, gptqmodel ...) or a kernel not installed
+        quantized = getattr(config, "quantization_config", None)
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else \
+            getattr(quantized, "quant_method", None)
+        why = f"its quantization_config ({getattr(method, 'value', method)}) needs" if quantized is not None else \
+            "transformers needs"
+        raise HeadlabError(f"{name_or_path}: cannot load it here: {why} what is not installed ({one_line(error)})"
+                           ) from None
     except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
         raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
                            f"build ({one_line(error)})") from error

@@ -210,8 +210,8 @@ class Family:
     scales every run with that sample (:mod:`headlab.gates`), so a head is on or off for all of them; LRP sums a
     head's relevance over the runs (:func:`headlab.importance.lrp.head_relevance`)."""
     lrp_refused: str = ""
-    """Why LRP refuses this block where physical pruning does not (DeepSeek-V4: no rule for its compressor, indexer
-    and inverse rotation); '' elsewhere (``refused`` refuses both)."""
+    """Why LRP refuses this block where physical pruning does not ('' where it does not: DeepSeek-V4's, refused until
+    session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`); ``refused`` refuses both."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
     (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
@@ -1433,12 +1433,7 @@ DEEPSEEK_V4 = Family(
     probs_reader=deepseek_v4_probs,
     appended_keys="compressed key-value entries (its compressor's, appended after the tokens' keys in its "
                   "compressed_sparse_attention and heavily_compressed_attention layers)",
-    head_count_attrs=("num_heads",), kv_groups_attr="num_key_value_groups", output_after="o_b_proj",
-    lrp_refused="DeepSeek-V4's attention (DeepseekV4Attention) appends to the tokens' keys compressed key-value "
-                "entries pooled from the layer's input by a softmax-gated compressor (its sparse layers' entries "
-                "picked per query by an indexer's top-k), and rotates each head's output back per query (the "
-                "conjugate rotary embedding) before its grouped output projection: headlab has no LRP rule for the "
-                "compressor, the indexer or the inverse rotation")
+    head_count_attrs=("num_heads",), kv_groups_attr="num_key_value_groups", output_after="o_b_proj")
 
 
 def pegasus_x_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -11,8 +11,8 @@ the streams hashed n-gram embeddings gated by a product with the streams and pas
 The forwards compute those weights inside the module and apply them at once, so gradient x input differentiates
 through the weights too and relevance is not conserved. HY-V4's (and HY-V4-VL's) and Qwen4-Exp's, and Qwen4-Exp's
 n-gram injections, have a rule since session 37 (:mod:`headlab.importance.mixer_rules.hyper_connection`), and are not
-refused here; for any other class (GLM-5-Next's and DeepSeek-V4's, whose Sinkhorn ``comb`` the rule does not
-compute: refused by that rule, naming the class) or n-gram injection headlab has no hook that holds its weights
+refused here, nor GLM-5-Next's (since session 38) and DeepSeek-V4's (since session 40); for any other class (refused
+by that rule, naming the class) or n-gram injection headlab has no hook that holds its weights
 constant (as it holds the attention weights and gates). LRP is refused before any work, naming them;
 every other measure reads the attention blocks, which the streams do not touch (a head's output reaches them through
 the output projection only). The indexers of these families (DSA, QSA) need no rule: they return a key selection

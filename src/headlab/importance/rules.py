@@ -104,8 +104,13 @@ The other rules become ordinary backward passes once the right factors are detac
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
 
-* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp; Qwen4-Exp's
-  n-gram embeddings added to them) have no rule: refused before any work, naming them
+* DeepSeek-V4's attention (one key-value head that is both key and value; compressed entries appended to the keys; an
+  indexer; each head's output rotated back): queries detached, keys held constant inside its eager attention, the
+  values not, the compressor's softmax weights held constant (:mod:`headlab.importance.shared_kv_rule`).
+
+* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp, GLM-5-Next,
+  DeepSeek-V4; Qwen4-Exp's n-gram embeddings added to them): their weights held constant
+  (:mod:`headlab.importance.mixer_rules.hyper_connection`); others refused before any work, naming them
   (:mod:`headlab.importance.residual_streams`).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
@@ -128,9 +133,10 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES, VALUE_EMBEDDINGS
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
-from headlab.importance import cca_rule, mixer_rules
+from headlab.importance import cca_rule, mixer_rules, shared_kv_rule
 from headlab.importance.head_map_rule import head_map_hooks, head_map_problem
 from headlab.importance.residual_streams import residual_stream_problem
+from headlab.stored_weights import HINT, describe, stored_elsewhere_modules
 from headlab.surgery import head_row_modules
 
 __all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
@@ -544,6 +550,12 @@ def check_rules(model: nn.Module) -> None:
 
 def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     """:func:`check_rules`; what no rule covers, all of it never run (:func:`_unruled`'s form), back."""
+    if found := stored_elsewhere_modules(model):  # LRP widens the weights in place: not stored values, not copies
+        raise HeadlabError(
+            f"LRP is refused on a model whose weights are stored quantized or offloaded ({describe(found)}): LRP "
+            "computes in float32 or float64 with the module's own weights widened in place, which reads stored values "
+            "as if they were the weights (a float8 weight without its scales, a packed integer one not at all) or "
+            f"widens none (an offloaded weight, loaded from its copy at each forward); {HINT}")
     blocks = attention_blocks(model)
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
@@ -556,6 +568,10 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's own rule
             if (problem := cca_rule.cca_problem(block)) is not None:
+                raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
+            continue
+        if block.n_heads and shared_kv_rule.is_shared_kv(block):  # DeepSeek-V4's: its own rule
+            if (problem := shared_kv_rule.problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
         if block.n_heads and block.family.lrp_refused and block.q is not None:  # tied projections, a part without a rule
@@ -2167,6 +2183,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
         return list(_latent_attention_hooks(block))
     if block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's (check_rules checked it)
         return cca_rule.cca_hooks(block)
+    if shared_kv_rule.is_shared_kv(block):  # DeepSeek-V4's (check_rules checked it)
+        return shared_kv_rule.hooks(block)
     if block.qkv is not None and block.family.qkv_layout != "q|k|v":
         # DeBERTa v1's position projections (head rows: the relative embeddings' keys and queries) with them
         return [(block.qkv, _detach_columns(block)), *((module, _detach_output) for module in head_row_modules(block))]
@@ -2294,7 +2312,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for path, module in model.named_modules():
             if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
                 handles.extend(register_hooks(mixer.hooks(module)))
-        yield
+        with shared_kv_rule.keys_held(blocks):  # DeepSeek-V4's keys, which are its values: held in its attention
+            yield
     finally:
         handles.remove()
         for config, implementation in reversed(restore):

@@ -1,6 +1,7 @@
 """The LRP rule for HY-V4's hyper-connections (``HYV4HyperConnection`` and ``HYV4HyperHead``, HY-V4-VL's
 ``HYV4VL...`` the same line for line), GLM-5-Next's (``Glm5NextTextHyperConnection``, :data:`COMBED`; its final
-collapse is a plain mean, linear) and Qwen4-Exp's (``Qwen4ExpTextGatedResidual``; transformers 5.24).
+collapse is a plain mean, linear), DeepSeek-V4's (``DeepseekV4HyperConnection`` as GLM-5-Next's, ``DeepseekV4HyperHead``
+as HY-V4's head; session 40) and Qwen4-Exp's (``Qwen4ExpTextGatedResidual``; transformers 5.24).
 
 Hyper-connections (Zhu et al. 2024, "Hyper-Connections", arXiv:2409.19606) keep ``N`` residual streams ``s_1..s_N``.
 Before each attention and MLP, HY-V4's connection computes from the streams, in float32 (its forward)::
@@ -66,21 +67,22 @@ from headlab.importance.rules import _swap_backward
 
 __all__ = ["RULE", "CONNECTIONS", "HEADS", "GATED", "INJECTIONS", "injection_probe_hooks"]
 
-COMBED = ("Glm5NextTextHyperConnection",)
+COMBED = ("Glm5NextTextHyperConnection", "DeepseekV4HyperConnection")
 """GLM-5-Next's connection (manifold-constrained, Xie et al. 2026): ``fn`` ``[(2 + N) N, N d]``, ``base`` ``[(2 + N) N]``,
 ``scale`` ``[3]``; ``pre`` as HY-V4's (without a magnitude), ``post = 2 sigmoid(...)`` and a Sinkhorn-normalised
 ``comb`` ``[N, N]`` that mixes the streams into the write-back, ``comb^T s + post * layer(x)``; it returns
-``(post, comb, x)``. ``post`` and ``comb`` are mixing weights computed from the streams: held constant, as HY-V4's."""
+``(post, comb, x)``. ``post`` and ``comb`` are mixing weights computed from the streams: held constant, as HY-V4's.
+DeepSeek-V4's connection is the same (transformers 5.24: ``DeepseekV4HyperConnection.forward``, read)."""
 CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection", *COMBED)
 """Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]`` (GLM-5-Next's:
 :data:`COMBED`)."""
-HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
+HEADS = ("HYV4HyperHead", "HYV4VLHyperHead", "DeepseekV4HyperHead")
 """Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
 INJECTIONS = ("Qwen4ExpTextPLELayer",)
 """Qwen4-Exp's n-gram injection: ``ple_embedding``, ``key_proj``, ``value_proj``, ``norm_query``, ``conv1d``."""
 GATED = ("Qwen4ExpTextGatedResidual",)
 """Qwen4-Exp's gated residual: ``hc_norm``, ``input_mix_weight_down``/``_up`` and ``block_inject_weight`` (or None)."""
-_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp, GLM-5-Next) and n-gram injections (Qwen4-Exp)"
+_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp, GLM-5-Next, DeepSeek-V4) and n-gram injections (Qwen4-Exp)"
 
 
 def _matches(module: nn.Module) -> bool:
