@@ -272,6 +272,20 @@ def test_lrp_conserves_in_float64(spec_name):
     check_translated_lrp_conserves(model, eos=1, bar=1e-10)
 
 
+def test_lrp_without_the_global_tokens_probe_does_not_conserve(monkeypatch):
+    """The regression the global tokens' probe fixes: without it (LEARNED_TOKENS empty) the relevance that reaches
+    embed_global is counted nowhere, and every sentence's relevance misses its logit by far more than 1e-10 (5e-5 on
+    this model: inside the run's own tolerance of 1e-3, so only a bar like this test's shows it)."""
+    from headlab.importance import compute_lrp
+    from headlab.importance import lrp as lrp_module
+
+    monkeypatch.setattr(lrp_module, "LEARNED_TOKENS", {})
+    model = tiny_pegasus_x()
+    data, info = translated_data(model, eos=1)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(record["min"] - 1) > 1e-6 and abs(record["max"] - 1) > 1e-6, record
+
+
 def test_lrp_conserves_in_float32_to_the_bar():
     check_translated_lrp_conserves(tiny_pegasus_x().float(), eos=1, bar=1e-6)
 
