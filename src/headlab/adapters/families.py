@@ -1349,6 +1349,44 @@ def bert_like(config: Any) -> Family:
     return BERT_LIKE_DECODER if getattr(config, "is_decoder", False) else BERT_LIKE
 
 
+# BigBird with block-sparse attention (BigBirdForMaskedLM and the other heads, transformers 5.24, models/big_bird):
+# encoder.layer.N.attention, BERT's layout (self.query/key/value, output.dense), outside the attention interface:
+# BigBirdBlockSparseAttention returns (context, dense map) always, the map as transformers builds it not the weights
+# its forward applied (headlab.adapters.big_bird.sparse_probs reads them). BigBirdModel pads the tokens to a multiple
+# of block_size first; its forward would swap the attention modules for full ones on short inputs, which the guard
+# installed on it refuses before the forward runs (headlab.adapters.big_bird). The forward views the projections as
+# [.., num_attention_heads, attention_head_size] and merges them back by -1: a pruned layer runs it as it is.
+# With attention_type='original_full' BigBird is found by run-time discovery (its BigBirdSelfAttention, BERT's).
+def _install_big_bird_guard(model: Any) -> None:
+    from headlab.adapters.big_bird import install_guard
+
+    install_guard(model)
+
+
+def _big_bird_sparse_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    from headlab.adapters.big_bird import sparse_probs
+
+    return sparse_probs(core, args, kwargs, output)
+
+
+BIG_BIRD_SPARSE = Family(
+    name="big_bird-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_reader=_big_bird_sparse_probs,
+    padded_by="BigBirdModel",
+    install=_install_big_bird_guard,
+)
+
+
+def big_bird(config: Any) -> Family | None:
+    """Block-sparse BigBird's entry; None (run-time discovery) with full attention."""
+    return BIG_BIRD_SPARSE if getattr(config, "attention_type", "original_full") == "block_sparse" else None
+
+
 def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
@@ -1524,7 +1562,7 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {"big_bird": big_bird, "falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
                    "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
@@ -1664,12 +1702,15 @@ switching the config's implementation, as capture does, does not reach it), with
 
 
 def _big_bird(config: Any) -> str | None:
-    if getattr(config, "attention_type", "original_full") == "original_full":
+    # read in transformers 5.24 (models/big_bird): BigBirdModel.__init__ switches a block-sparse model with
+    # add_cross_attention to full attention (its config still says block_sparse), and its forward switches a decoder
+    # given a cache; block-sparse attention itself is bidirectional (no causal mask)
+    if getattr(config, "attention_type", "original_full") != "block_sparse" or not (
+            getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
         return None
-    return ("BigBird's block-sparse attention (attention_type='block_sparse', its config's default) computes no "
-            "[query, key] probability map per head, which headlab's analysis reads, and on inputs too short for it "
-            "transformers swaps the model's attention modules for full attention during a forward pass (headlab "
-            "would hold the old ones); set attention_type to 'original_full' (in config.json, or "
+    return ("BigBird as a decoder (is_decoder or add_cross_attention) with block-sparse attention: its block-sparse "
+            "attention attends both ways (no causal mask), and transformers switches it to full attention when it is "
+            "built with cross-attention or given a cache; set attention_type to 'original_full' (in config.json, or "
             "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
 
 

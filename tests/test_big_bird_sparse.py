@@ -1,0 +1,263 @@
+"""BigBird's block-sparse attention (its config's default) as a table family (refused before any work until session 40).
+
+Read in transformers 5.24 (models/big_bird, headlab.adapters.big_bird): in evaluation mode the random blocks are not
+drawn, each is the first block, so a middle query's softmax counts the first block's keys 1 + num_random_blocks times
+(two forwards are equal: the map is a function of the input); transformers' dense map overwrites those entries instead
+of adding them. On tiny float64 models (block_size 2, num_random_blocks 1 and 2, inputs longer than
+(5 + 2 r) x block_size, lengths the model pads to a multiple of block_size, padded batches):
+
+* capture equals the map worked out by hand from the layer's queries and keys (each block's keys, repeats counted),
+  whose product with the values is the forward's context; transformers' own map is not that map;
+* inputs on which transformers would swap the attention modules for full ones (too short), or on which a sentence's
+  block layout would differ from its own (padded past its last block, padded on the left), are refused before the
+  forward runs, the modules left as they are; a model already switched is refused by attention_blocks;
+* masking a head equals zeroing its value rows, gates at one change nothing, physical pruning equals masking (a layer
+  with no head left too), and so do load_pruned and plain transformers on the saved directory;
+* LRP (queries and keys held constant) conserves relevance to 1e-10, pruned too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.data.inputs import ImportanceData
+from headlab.importance.lrp import compute_lrp
+from headlab.model_description import describe_model
+from support.family_matrix import check_gates_at_one_change_nothing, perturbed_model
+
+BLOCK = 2
+
+
+def _config(random_blocks: int = 1, **extra) -> tf.BigBirdConfig:
+    return tf.BigBirdConfig(**{**dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, block_size=BLOCK,
+                                      num_random_blocks=random_blocks, attention_type="block_sparse",
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=3), **extra})
+
+
+def _model(random_blocks: int = 1, cls=tf.BigBirdForMaskedLM, **extra) -> torch.nn.Module:
+    return perturbed_model(cls, _config(random_blocks, **extra), attn_implementation="eager").double()
+
+
+def _threshold(random_blocks: int) -> int:
+    return (5 + 2 * random_blocks) * BLOCK
+
+
+def _inputs(random_blocks: int = 1, odd: bool = False) -> dict:
+    """Three rows of threshold + 4 tokens, the last one's last token padding (its own length rounds up to the same
+    number of blocks); ``odd``: threshold + 3, none padding (the model pads them by one to a multiple of 2)."""
+    length = _threshold(random_blocks) + (3 if odd else 4)
+    ids = torch.randint(4, 99, (3, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if not odd:
+        mask[2, -1:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def _by_hand(core, hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The weights each query applies to each key, from the layer's own queries and keys: block 0 and the last block
+    attend over every key; block 1 over blocks 0, 1, 2, the last and r random ones; block n-2 over 0, n-3, n-2, n-1
+    and r random; a middle block i over 0, i-1, i, i+1, n-1 and r random; random blocks are block 0 in evaluation
+    mode (repeats add up). Masked keys get -10000, as transformers' (exp underflows to 0 in float64); a padded
+    query's row is zero (its output is)."""
+    batch, length, _ = hidden.shape
+    heads, d, r = core.num_attention_heads, core.attention_head_size, core.num_random_blocks
+    q = core.query(hidden).view(batch, length, heads, d).transpose(1, 2)
+    k = core.key(hidden).view(batch, length, heads, d).transpose(1, 2)
+    n = length // BLOCK
+    dense = torch.zeros(batch, heads, length, length, dtype=hidden.dtype)
+    for block in range(n):
+        keys = list(range(n)) if block in (0, n - 1) else \
+            [0, 1, 2, n - 1] if block == 1 else [0, n - 3, n - 2, n - 1] if block == n - 2 else \
+            [0, block - 1, block, block + 1, n - 1]
+        keys += [0] * r * (block not in (0, n - 1))
+        columns = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in keys])
+        rows = slice(block * BLOCK, (block + 1) * BLOCK)
+        scores = q[:, :, rows] @ k[:, :, columns].transpose(-1, -2) / math.sqrt(d)
+        scores = scores + (1 - real[:, None, None, columns]) * -10000.0
+        dense[:, :, rows].index_add_(-1, columns, scores.softmax(-1))
+    return dense * real[:, None, :, None]
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["padded batch", "padded by the model"])
+@pytest.mark.parametrize("random_blocks", [1, 2])
+def test_capture_is_the_weights_the_forward_applied(random_blocks, odd):
+    model = _model(random_blocks)
+    inputs = _inputs(random_blocks, odd)
+    seen: dict[int, tuple] = {}
+    hooks = [layer.attention.self.register_forward_hook(
+        lambda module, args, output, i=i: seen.__setitem__(i, (args[0], args[2], output)))
+        for i, layer in enumerate(model.bert.encoder.layer)]
+    with torch.no_grad():
+        first = model(**inputs).logits
+        assert torch.equal(model(**inputs).logits, first)  # evaluation mode: no random draw
+    for hook in hooks:
+        hook.remove()
+    length = inputs["input_ids"].shape[1]
+    with capture_attention(model) as record, torch.no_grad():
+        model(**inputs)
+    assert sorted(record) == [("enc_self", 0), ("enc_self", 1)]
+    for layer in range(2):
+        hidden, from_mask, (context, theirs) = seen[layer]
+        core = model.bert.encoder.layer[layer].attention.self
+        real = from_mask[:, 0, :, 0]
+        with torch.no_grad():
+            reference = _by_hand(core, hidden, real)
+            values = core.value(hidden).view(*hidden.shape[:2], 4, -1).transpose(1, 2)
+        # the by-hand map is the forward's: its product with the values is the context (padded queries' zeroed)
+        torch.testing.assert_close((reference @ values).transpose(1, 2).flatten(2), context, rtol=0, atol=1e-13)
+        captured = record[("enc_self", layer)]
+        assert captured.shape == (3, 4, length, length)  # (odd) cut back from the padded length + 1
+        torch.testing.assert_close(captured, reference[:, :, :length, :length], rtol=0, atol=1e-14)
+        sums = captured.sum(-1).permute(0, 2, 1)[inputs["attention_mask"].bool()]
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-13)
+        # transformers' own map: the first block's columns of the middle rows undercounted (rows sum to less)
+        assert (theirs.sum(-1)[0, :, BLOCK:-BLOCK] < 1 - 1e-3).all()
+
+
+def test_a_padded_sentence_equals_itself_alone():
+    """What the guard lets through: padding within a sentence's last block changes nothing of its logits."""
+    model, inputs = _model(), _inputs()
+    length = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        batch = model(**inputs).logits[2, :length - 1]
+        alone = model(input_ids=inputs["input_ids"][2:, :length - 1]).logits[0]
+    torch.testing.assert_close(batch, alone, rtol=0, atol=1e-12)
+
+
+def _unchanged(model) -> bool:
+    return model.bert.attention_type == "block_sparse" and all(
+        type(layer.attention.self).__name__ == "BigBirdBlockSparseAttention" for layer in model.bert.encoder.layer)
+
+
+def test_short_inputs_are_refused_before_transformers_swaps_the_modules():
+    model = _model()
+    attention_blocks(model)
+    short = torch.randint(4, 99, (1, _threshold(1)))
+    with pytest.raises(HeadlabError, match=r"given 14 tokens: on inputs of at most 14 tokens .* switches every layer"):
+        model(input_ids=short)
+    assert _unchanged(model)
+
+
+@pytest.mark.parametrize("padding", ["past its last block", "left", "short row"])
+def test_batches_that_change_a_sentences_blocks_are_refused(padding):
+    """A row padded past its last block attends otherwise than alone (its last block is no longer global), so does a
+    left-padded row (its blocks shifted), and a row short enough that alone it would run full attention."""
+    model = _model()
+    attention_blocks(model)
+    inputs = _inputs()
+    mask = inputs["attention_mask"]
+    if padding == "past its last block":
+        mask[1, -2:] = 0
+    elif padding == "left":
+        mask[1, :1] = 0
+    else:
+        mask[1, _threshold(1) - 2:] = 0
+    words = {"past its last block": "sentence 1 has 16 of its 18 tokens", "left": "padded on the left",
+             "short row": "sentence 1 has 12 of its 18 tokens"}[padding]
+    with pytest.raises(HeadlabError, match=words):
+        model(**inputs)
+    assert _unchanged(model)
+
+
+def test_a_model_switched_by_an_earlier_short_input_is_refused():
+    model = _model()
+    with torch.no_grad():
+        model(input_ids=torch.randint(4, 99, (1, 6)))  # transformers swaps the modules, for good
+    with pytest.raises(HeadlabError, match="switched its attention modules for good"):
+        attention_blocks(model)
+
+
+def test_a_block_sparse_decoder_is_refused_before_any_work():
+    model = _model(cls=tf.BigBirdForCausalLM, is_decoder=True)
+    with pytest.raises(HeadlabError, match="BigBird as a decoder"):
+        attention_blocks(model)
+
+
+def _zero_values(model, layer: int, head: int) -> None:
+    core = model.bert.encoder.layer[layer].attention.self
+    rows = slice(head * core.attention_head_size, (head + 1) * core.attention_head_size)
+    with torch.no_grad():
+        core.value.weight[rows] = 0
+        core.value.bias[rows] = 0
+
+
+def test_masking_equals_zeroed_values_and_gates_at_one_change_nothing():
+    model, inputs = _model(), _inputs()
+    with torch.no_grad():
+        before = model(**inputs).logits
+        with mask_heads(model, {("enc_self", 0): [2]}):
+            masked = model(**inputs).logits
+        assert not torch.allclose(masked, before)
+        assert torch.equal(model(**inputs).logits, before)  # the mask came off
+        zeroed = _model()
+        _zero_values(zeroed, 0, 2)
+        torch.testing.assert_close(masked, zeroed(**inputs).logits, rtol=0, atol=1e-12)
+    check_gates_at_one_change_nothing(model, inputs)
+
+
+SPECS = {
+    "partial": ({("enc_self", 0): [1], ("enc_self", 1): [0, 2]}, [3, 2]),
+    "no head left": ({("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [2]}, [0, 3]),
+}
+
+
+@pytest.mark.parametrize("random_blocks", [1, 2])
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_equals_masked(spec_name, random_blocks):
+    model, inputs = _model(random_blocks), _inputs(random_blocks)
+    spec, heads_left = SPECS[spec_name]
+    with torch.no_grad(), mask_heads(model, spec):
+        expected = model(**inputs).logits
+    prune_heads(model, spec)
+    assert [block.n_heads for block in attention_blocks(model)] == heads_left
+    core = model.bert.encoder.layer[1].attention.self
+    assert core.query.weight.shape == (8 * heads_left[1], 32) and core.num_attention_heads == heads_left[1]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, expected, atol=1e-12, rtol=0)
+
+
+def test_pruned_layer_captures_its_kept_heads():
+    model, inputs = _model(), _inputs()
+    with capture_attention(model) as full, torch.no_grad():
+        model(**inputs)
+    prune_heads(model, SPECS["partial"][0])
+    with capture_attention(model) as pruned, torch.no_grad():
+        model(**inputs)
+    torch.testing.assert_close(pruned[("enc_self", 0)], full[("enc_self", 0)][:, [0, 2, 3]], atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_reloads(spec_name, tmp_path):
+    model, inputs = _model(), _inputs()
+    spec, heads_left = SPECS[spec_name]
+    with torch.no_grad(), mask_heads(model, spec):
+        expected = model(**inputs).logits
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path)
+    reloaded = load_pruned(tmp_path).double()
+    assert [block.n_heads for block in attention_blocks(reloaded)] == heads_left
+    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(plain.eval().double()(**inputs).logits, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("spec_name", [None, *SPECS])
+def test_compute_lrp_conserves(spec_name):
+    """compute_lrp (biases on; sentences of 16, 17 and 18 ids, one batch padded within its last block) conserves
+    every logit to 1e-9."""
+    model = _model()
+    if spec_name:
+        prune_heads(model, SPECS[spec_name][0])
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() for k in (17, 18, 18)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_outside"] == 0, record
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
