@@ -123,6 +123,7 @@ def test_capture_is_the_weights_the_forward_applied(random_blocks, odd):
 def test_a_padded_sentence_equals_itself_alone():
     """What the guard lets through: padding within a sentence's last block changes nothing of its logits."""
     model, inputs = _model(), _inputs()
+    attention_blocks(model)  # the guard installed
     length = inputs["input_ids"].shape[1]
     with torch.no_grad():
         batch = model(**inputs).logits[2, :length - 1]

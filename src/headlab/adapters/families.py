@@ -1562,7 +1562,9 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {"big_bird": big_bird, "falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {
+                   "big_bird": big_bird, "falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt,
+                   "deberta": deberta,
                    "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
