@@ -18,8 +18,6 @@ of adding them. On tiny float64 models (block_size 2, num_random_blocks 1 and 2,
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import transformers as tf
@@ -28,6 +26,7 @@ from headlab import HeadlabError, attention_blocks, capture_attention, load_prun
 from headlab.data.inputs import ImportanceData
 from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
+from support.big_bird import by_hand
 from support.family_matrix import check_gates_at_one_change_nothing, perturbed_model
 
 BLOCK = 2
@@ -59,31 +58,6 @@ def _inputs(random_blocks: int = 1, odd: bool = False) -> dict:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def _by_hand(core, hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The weights each query applies to each key, from the layer's own queries and keys: block 0 and the last block
-    attend over every key; block 1 over blocks 0, 1, 2, the last and r random ones; block n-2 over 0, n-3, n-2, n-1
-    and r random; a middle block i over 0, i-1, i, i+1, n-1 and r random; random blocks are block 0 in evaluation
-    mode (repeats add up). Masked keys get -10000, as transformers' (exp underflows to 0 in float64); a padded
-    query's row is zero (its output is)."""
-    batch, length, _ = hidden.shape
-    heads, d, r = core.num_attention_heads, core.attention_head_size, core.num_random_blocks
-    q = core.query(hidden).view(batch, length, heads, d).transpose(1, 2)
-    k = core.key(hidden).view(batch, length, heads, d).transpose(1, 2)
-    n = length // BLOCK
-    dense = torch.zeros(batch, heads, length, length, dtype=hidden.dtype)
-    for block in range(n):
-        keys = list(range(n)) if block in (0, n - 1) else \
-            [0, 1, 2, n - 1] if block == 1 else [0, n - 3, n - 2, n - 1] if block == n - 2 else \
-            [0, block - 1, block, block + 1, n - 1]
-        keys += [0] * r * (block not in (0, n - 1))
-        columns = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in keys])
-        rows = slice(block * BLOCK, (block + 1) * BLOCK)
-        scores = q[:, :, rows] @ k[:, :, columns].transpose(-1, -2) / math.sqrt(d)
-        scores = scores + (1 - real[:, None, None, columns]) * -10000.0
-        dense[:, :, rows].index_add_(-1, columns, scores.softmax(-1))
-    return dense * real[:, None, :, None]
-
-
 @pytest.mark.parametrize("odd", [False, True], ids=["padded batch", "padded by the model"])
 @pytest.mark.parametrize("random_blocks", [1, 2])
 def test_capture_is_the_weights_the_forward_applied(random_blocks, odd):
@@ -107,7 +81,7 @@ def test_capture_is_the_weights_the_forward_applied(random_blocks, odd):
         core = model.bert.encoder.layer[layer].attention.self
         real = from_mask[:, 0, :, 0]
         with torch.no_grad():
-            reference = _by_hand(core, hidden, real)
+            reference = by_hand(core, hidden, real)
             values = core.value(hidden).view(*hidden.shape[:2], 4, -1).transpose(1, 2)
         # the by-hand map is the forward's: its product with the values is the context (padded queries' zeroed)
         torch.testing.assert_close((reference @ values).transpose(1, 2).flatten(2), context, rtol=0, atol=1e-13)
