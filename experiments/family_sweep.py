@@ -117,9 +117,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
     # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded)
     "longt5": {"local_radius": 2},
-    # BigBird's block-sparse attention (its default): blocks of 2 tokens, one random block, so that inputs longer than
-    # (5 + 2 x 1) x 2 = 14 tokens run it (inputs_for gives 18: headlab.adapters.big_bird.block_sparse_probe)
-    "big_bird": {"block_size": 2, "num_random_blocks": 1},
+    # BigBird's block-sparse attention (its default; BigBird-Pegasus's encoder's): blocks of 2 tokens, one random
+    # block, so that inputs longer than (5 + 2 x 1) x 2 = 14 tokens run it (inputs_for gives 18: block_sparse_probe)
+    **{t: {"block_size": 2, "num_random_blocks": 1} for t in ("big_bird", "bigbird_pegasus")},
     **{t: {**MLA, "head_dim": 4} for t in ("deepseek_v3", "mistral4")},  # head_dim: the rotary part
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
@@ -642,6 +642,15 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         encoder = longt5_maps(out.encoder_attentions, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
+    if any(type(m).__name__.endswith("BlockSparseAttention") for m in model.modules()):  # BigBird's (BigBird-Pegasus's
+        # encoder's): its map worked out by hand (its dense output_attentions overwrites the random blocks' weights on
+        # the first block's keys)
+        from support.big_bird import dense_maps as big_bird_maps
+
+        if getattr(model.config, "is_encoder_decoder", False):
+            return {"enc_self": big_bird_maps(model, inputs), "dec_self": out.decoder_attentions,
+                    "dec_cross": out.cross_attentions}, set()
+        return {"any": big_bird_maps(model, inputs)}, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
                 "dec_cross": out.cross_attentions}, set()
@@ -657,11 +666,6 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         return {"any": dense_maps(out.attentions, out.global_attentions, inputs.get("global_attention_mask"),
                                   model.config.attention_window)}, set()
-    if getattr(model.config, "attention_type", None) == "block_sparse":  # BigBird's: its map worked out by hand (its
-        # dense output_attentions overwrites the random blocks' weights on the first block's keys)
-        from support.big_bird import dense_maps as big_bird_maps
-
-        return {"any": big_bird_maps(model, inputs)}, set()
     if model.config.model_type == "squeezebert":
         # SqueezeBERT hands out its attention scores (q k^T / sqrt(d) + mask, before its nn.Softmax(dim=-1)) as
         # attentions (transformers 5.24): its probabilities are their softmax

@@ -26,8 +26,17 @@ from headlab import HeadlabError, attention_blocks, capture_attention, load_prun
 from headlab.data.inputs import ImportanceData
 from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
-from support.big_bird import by_hand
+from support.big_bird import by_hand, dense_maps
 from support.family_matrix import check_gates_at_one_change_nothing, perturbed_model
+from support.seq2seq_families import SPECS as PEGASUS_SPECS
+from support.seq2seq_families import (
+    check_captured_probabilities,
+    check_masking_equals_zeroed,
+    check_pruned_equals_masked,
+    check_translated_lrp_conserves,
+    seq2seq_inputs,
+    zero_value_rows,
+)
 
 BLOCK = 2
 
@@ -235,4 +244,111 @@ def test_compute_lrp_conserves(spec_name):
     data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() for k in (17, 18, 18)])
     record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
     assert record["n_outside"] == 0, record
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+
+
+# BigBird-Pegasus (refused whole until session 40): its encoder's attention is BigBird's (block-sparse by default, or
+# full), its decoder's BART's. Sources of 18 ids (the second's last one padding: its blocks stay the batch's) and
+# target prefixes of 5, on a tiny float64 model; with full attention, support.seq2seq_families' 7-token batch.
+def _pegasus(attention_type: str = "block_sparse") -> torch.nn.Module:
+    config = tf.BigBirdPegasusConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                                     decoder_ffn_dim=37, max_position_embeddings=64, block_size=BLOCK,
+                                     num_random_blocks=1, attention_type=attention_type, pad_token_id=0,
+                                     bos_token_id=2, eos_token_id=1, decoder_start_token_id=0, use_bias=True)
+    return perturbed_model(tf.BigBirdPegasusForConditionalGeneration, config, attn_implementation="eager").double()
+
+
+def _pegasus_inputs(attention_type: str = "block_sparse") -> dict:
+    if attention_type != "block_sparse":
+        return seq2seq_inputs(pad=0)
+    inputs = _inputs()
+    inputs = {"input_ids": inputs["input_ids"][:2], "attention_mask": inputs["attention_mask"][:2]}
+    inputs["attention_mask"][1, -1] = 0
+    inputs["input_ids"][1, -1] = 0
+    inputs["decoder_input_ids"] = torch.randint(4, 99, (2, 5), generator=torch.Generator().manual_seed(4))
+    return inputs
+
+
+def _zero_pegasus_head(model, kind: str, layer: int, head: int) -> None:
+    if kind != "enc_self":
+        zero_value_rows(model, kind, layer, head)
+        return
+    value = model.model.encoder.layers[layer].self_attn.self.value
+    with torch.no_grad():
+        value.weight[head * 8:(head + 1) * 8] = 0
+        value.bias[head * 8:(head + 1) * 8] = 0
+
+
+ATTENTION_TYPES = ["block_sparse", "original_full"]
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_pegasus_blocks_and_capture(attention_type):
+    """Its six blocks (the encoder's BigBird's, the decoder's BART's); capture gives the encoder's maps worked out by
+    hand (block-sparse) or transformers' own (full), and the decoder's and cross-attention's output_attentions."""
+    model, inputs = _pegasus(attention_type), _pegasus_inputs(attention_type)
+    blocks = attention_blocks(model)
+    encoder = "bigbird_pegasus-block-sparse" if attention_type == "block_sparse" else "bigbird_pegasus-full"
+    assert sorted((b.kind, b.layer, b.n_heads, b.d_head, b.family.name) for b in blocks) == sorted(
+        [("enc_self", i, 4, 8, encoder) for i in (0, 1)] +
+        [(kind, i, 4, 8, "bigbird_pegasus-decoder") for kind in ("dec_self", "dec_cross") for i in (0, 1)])
+    if attention_type == "block_sparse":
+        reference = dense_maps(model, inputs)
+        check_captured_probabilities(model, inputs, encoder=lambda out: reference, atol=1e-14)
+    else:
+        check_captured_probabilities(model, inputs)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("kind", ["enc_self", "dec_cross"])
+def test_pegasus_masking_equals_zeroed_values(kind, attention_type):
+    model = _pegasus(attention_type)
+    check_masking_equals_zeroed(model, kind, _pegasus_inputs(attention_type), zero_head=_zero_pegasus_head)
+    check_gates_at_one_change_nothing(_pegasus(attention_type), _pegasus_inputs(attention_type))
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("spec_name", PEGASUS_SPECS)
+def test_pegasus_pruned_equals_masked_and_reloads(spec_name, attention_type, tmp_path):
+    """The logits of the padded batch and cached greedy generation, pruned, equal the masked model's (1e-12), and so do
+    load_pruned and plain transformers (trust_remote_code) on the saved directory."""
+    spec, inputs = PEGASUS_SPECS[spec_name], _pegasus_inputs(attention_type)
+    counts = check_pruned_equals_masked(_pegasus(attention_type), spec, inputs)
+    model = _pegasus(attention_type)
+    with torch.no_grad(), mask_heads(model, spec):
+        expected = model(**inputs).logits
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path)  # no pruned forward: the plan resizes the layers only
+    reloaded = load_pruned(tmp_path).double()
+    assert {b.key: b.n_heads for b in attention_blocks(reloaded)} == counts
+    plain, info = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(plain.eval().double()(**inputs).logits, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_pegasus_short_sources_and_lrp(attention_type):
+    """Block-sparse: a source too short is refused before the encoder swaps its modules; compute_lrp on the model's
+    own translations of sources of 19 and 20 ids (one batch, padded within its last block) conserves every logit to
+    1e-9. Full attention: compute_lrp on translations of 3, 6 and 9 ids."""
+    from headlab.importance import translate_data
+
+    model = _pegasus(attention_type)
+    if attention_type == "original_full":
+        check_translated_lrp_conserves(model, eos=1)
+        return
+    attention_blocks(model)
+    with pytest.raises(HeadlabError, match="given 7 tokens"):
+        model(**seq2seq_inputs(pad=0))
+    assert all(type(layer.self_attn.self).__name__ == "BigBirdPegasusBlockSparseAttention"
+               for layer in model.model.encoder.layers)
+    g = torch.Generator().manual_seed(0)
+    info = describe_model(model)
+    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in (18, 19, 19)])
+    data = translate_data(model, data, info, max_length_a=0, max_length_b=6)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0, record
     assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record

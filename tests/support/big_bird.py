@@ -38,8 +38,10 @@ def by_hand(core, hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 
 def dense_maps(model, inputs: dict) -> tuple[torch.Tensor, ...]:
-    """One map per layer of ``model`` on ``inputs`` (a forward of its own), cut back to the input's length."""
-    cores = [m for m in model.modules() if type(m).__name__ == "BigBirdBlockSparseAttention"]
+    """One map per (encoder) layer of ``model`` on ``inputs`` (a forward of its own), cut back to the input's
+    length."""
+    cores = [m for m in model.modules()
+             if type(m).__name__ in ("BigBirdBlockSparseAttention", "BigBirdPegasusBlockSparseAttention")]
     seen: dict[int, tuple] = {}
     handles = [core.register_forward_hook(lambda module, args, output, i=i: seen.__setitem__(i, (args[0], args[2])))
                for i, core in enumerate(cores)]

@@ -1,5 +1,5 @@
-"""BigBird's block-sparse attention (transformers 5.24, models/big_bird/modeling_big_bird.py), read so that headlab can
-analyse, mask and prune it exactly.
+"""BigBird's block-sparse attention (transformers 5.24, models/big_bird/modeling_big_bird.py; BigBird-Pegasus's
+encoder holds a copy, models/bigbird_pegasus), read so that headlab can analyse, mask and prune it exactly.
 
 What transformers does, and what headlab does about it:
 
@@ -14,11 +14,12 @@ What transformers does, and what headlab does about it:
   overwriting instead of adding: its middle rows sum to less than one. :func:`sparse_probs` multiplies those
   columns back, checks that every query's row sums to one, and zeroes the padded queries' rows (their output is
   zeroed by ``from_mask``).
-* ``BigBirdModel.forward`` switches the whole model to full attention on inputs of at most
-  ``(5 + 2 * num_random_blocks) * block_size`` tokens, for good (``set_attention_type`` replaces every layer's
-  attention module), and pads the tokens to a multiple of ``block_size`` (``Family.padded_by``). The block layout
-  follows the padded length: a sentence padded by its batch past its own last block attends otherwise than alone
-  (its last block is no longer global). :func:`install_guard` refuses both before the forward runs.
+* ``BigBirdModel.forward`` (BigBird-Pegasus's ``BigBirdPegasusEncoder.forward``, its copy) switches the whole
+  model to full attention on inputs of at most ``(5 + 2 * num_random_blocks) * block_size`` tokens, for good
+  (``set_attention_type`` replaces every layer's attention module), and pads the tokens to a multiple of
+  ``block_size`` (``Family.padded_by``). The block layout follows the padded length: a sentence padded by its batch
+  past its own last block attends otherwise than alone (its last block is no longer global). :func:`install_guard`
+  refuses both before the forward runs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 
-SPARSE_CLASS = "BigBirdBlockSparseAttention"
-MODEL_CLASS = "BigBirdModel"
+GUARDED_CLASSES = {"BigBirdModel": "BigBirdSelfAttention", "BigBirdPegasusEncoder": "BigBirdPegasusSelfAttention"}
+"""The modules whose forward pads the tokens and switches their attention modules on short inputs (BigBird's model,
+BigBird-Pegasus's encoder), with the class of the full attention they switch to."""
 _GUARDED = "_headlab_block_sparse_guard"
 
 
@@ -71,8 +73,9 @@ def _tokens(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def check_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse, before ``BigBirdModel.forward`` runs, an input on which block-sparse attention would not be the same
-    function of each sentence as when it runs alone, or would not run (see the module's docstring)."""
+    """Refuse, before ``BigBirdModel.forward`` (``BigBirdPegasusEncoder.forward``) runs, an input on which
+    block-sparse attention would not be the same function of each sentence as when it runs alone, or would not run
+    (see the module's docstring)."""
     config = getattr(module, "config")  # noqa: B009 (mypy: a module's attribute)
     if getattr(module, "attention_type", None) != "block_sparse":
         raise HeadlabError(_switched(module))
@@ -86,7 +89,7 @@ def check_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise HeadlabError(f"block-sparse BigBird given {length} tokens: on inputs of at most {threshold} tokens "
                            f"((5 + 2 x num_random_blocks) x block_size, {config.num_random_blocks} and {size}) "
                            "transformers runs full attention instead, and switches every layer's attention module to "
-                           "full attention for good (BigBirdModel.set_attention_type), which headlab's blocks would no "
+                           "full attention for good (set_attention_type), which headlab's blocks would no "
                            f"longer be; give it inputs longer than {threshold} tokens" + retry)
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     if mask is None:
@@ -115,7 +118,7 @@ def block_sparse_probe(model: nn.Module) -> tuple[int, int, int] | None:
     lets it: two blocks past its threshold, the padding within the last block, none on the left; None for any other
     model."""
     for module in model.modules():
-        if type(module).__name__ == MODEL_CLASS and getattr(module, "attention_type", None) == "block_sparse":
+        if type(module).__name__ in GUARDED_CLASSES and getattr(module, "attention_type", None) == "block_sparse":
             config = getattr(module, "config")  # noqa: B009 (mypy: a module's attribute)
             size = int(config.block_size)
             threshold = (5 + 2 * int(config.num_random_blocks)) * size
@@ -151,14 +154,15 @@ def _guarded(cls: type) -> type:
 
 
 def install_guard(model: nn.Module) -> None:
-    """Give every ``BigBirdModel`` of ``model`` (once) a forward that refuses, before transformers' runs, what
-    :func:`check_input` refuses: an input on which transformers would swap the attention modules, or whose batch
-    padding would change a sentence's block layout (its class becomes a subclass of the same name; nothing it
-    computes changes). Refuses a model already switched to full attention."""
+    """Give every ``BigBirdModel`` and ``BigBirdPegasusEncoder`` of ``model`` (once) a forward that refuses, before
+    transformers' runs, what :func:`check_input` refuses: an input on which transformers would swap the attention
+    modules, or whose batch padding would change a sentence's block layout (its class becomes a subclass of the same
+    name; nothing it computes changes). Refuses a model already switched to full attention."""
     for module in model.modules():
-        if type(module).__name__ != MODEL_CLASS:
+        full = GUARDED_CLASSES.get(type(module).__name__)
+        if full is None:
             continue
         if getattr(module, "attention_type", None) != "block_sparse" or any(
-                type(m).__name__ == "BigBirdSelfAttention" for m in module.modules()):
+                type(m).__name__ == full for m in module.modules()):
             raise HeadlabError(_switched(module))
         module.__class__ = _guarded(type(module))

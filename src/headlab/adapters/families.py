@@ -1382,6 +1382,30 @@ BIG_BIRD_SPARSE = Family(
 )
 
 
+# BigBird-Pegasus (BigBirdPegasusForConditionalGeneration, transformers 5.24, models/bigbird_pegasus): its encoder's
+# layers.N.self_attn is BigBirdPegasusEncoderAttention, BigBird's attention (self: BigBirdPegasusBlockSparseAttention, a
+# copy of BigBird's, or BigBirdPegasusSelfAttention with attention_type='original_full', which returns (context,
+# probabilities) always too) and its output projection ``output``; BigBirdPegasusEncoder pads and switches as
+# BigBirdModel does (the same guard). Its decoder's self_attn and encoder_attn are BART's (q_proj/k_proj/v_proj/
+# out_proj through the attention interface). BigBirdPegasusForCausalLM holds the decoder only.
+_BIGBIRD_PEGASUS_DECODER = replace(
+    BART_LIKE, name="bigbird_pegasus-decoder",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$")))
+BIGBIRD_PEGASUS = replace(
+    BIG_BIRD_SPARSE, name="bigbird_pegasus-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),), o="output",
+    padded_by="BigBirdPegasusEncoder", parts=(_BIGBIRD_PEGASUS_DECODER,))
+BIGBIRD_PEGASUS_FULL = replace(BIGBIRD_PEGASUS, name="bigbird_pegasus-full", probs_reader=None, padded_by="",
+                               install=None)
+
+
+def bigbird_pegasus(config: Any) -> Family:
+    """BigBird-Pegasus's entry: its encoder block-sparse (its config's default) or full."""
+    return BIGBIRD_PEGASUS if getattr(config, "attention_type", "original_full") == "block_sparse" \
+        else BIGBIRD_PEGASUS_FULL
+
+
 def big_bird(config: Any) -> Family | None:
     """Block-sparse BigBird's entry; None (run-time discovery) with full attention."""
     return BIG_BIRD_SPARSE if getattr(config, "attention_type", "original_full") == "block_sparse" else None
@@ -1563,8 +1587,8 @@ entry's projections, layout and bookkeeping, so that physical pruning slices it 
 columns constant as for the tabled family."""
 
 CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {
-                   "big_bird": big_bird, "falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt,
-                   "deberta": deberta,
+                   "big_bird": big_bird, "bigbird_pegasus": bigbird_pegasus, "falcon": falcon,
+                   "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
                    "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
@@ -1624,9 +1648,6 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
-                       "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
-                       "class drops the encoder)",
     # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
     # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
     # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
