@@ -352,3 +352,21 @@ def test_pegasus_short_sources_and_lrp(attention_type):
     record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
     assert record["n_sentences"] == 3 and record["n_outside"] == 0, record
     assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+
+
+def test_a_map_read_otherwise_is_refused(monkeypatch):
+    """The reader's assumption (random blocks all block 0 in evaluation mode) checked on every map: with random blocks
+    drawn elsewhere (block 3, as a transformers drawing them in evaluation mode might), the rows it builds do not sum
+    to one, and capture refuses instead of handing out a wrong map."""
+    from transformers.models.big_bird import modeling_big_bird
+
+    original = modeling_big_bird.BigBirdBlockSparseAttention._bigbird_block_rand_mask_with_head
+
+    def elsewhere(self, *args, **kwargs):
+        return [blocks + 3 for blocks in original(self, *args, **kwargs)]
+
+    monkeypatch.setattr(modeling_big_bird.BigBirdBlockSparseAttention, "_bigbird_block_rand_mask_with_head", elsewhere)
+    model, inputs = _model(), _inputs()
+    with pytest.raises(HeadlabError, match="has a query's row summing to 1 "), capture_attention(model), \
+            torch.no_grad():
+        model(**inputs)
