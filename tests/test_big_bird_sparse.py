@@ -370,3 +370,43 @@ def test_a_map_read_otherwise_is_refused(monkeypatch):
     with pytest.raises(HeadlabError, match="has a query's row summing to 1 "), capture_attention(model), \
             torch.no_grad():
         model(**inputs)
+
+
+def _long_treebank(path, sentences: int = 4, words: int = 18) -> None:
+    """A CoNLL-U file of ``sentences`` sentences of ``words`` words of the sample treebank's (a flat tree): with the
+    word tokenizer's <s> and </s>, 20 tokens each, one block count for every batch."""
+    from support.treebank import SAMPLE_CONLLU
+
+    vocabulary = sorted({line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()})
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for n in range(1, sentences + 1):
+        chosen = [vocabulary[i] for i in torch.randint(0, len(vocabulary), (words,), generator=g).tolist()]
+        rows = [f"{i}\t{w}\t{w}\tX\tX\t_\t{0 if i == 1 else 1}\t{'root' if i == 1 else 'dep'}\t_\t_"
+                for i, w in enumerate(chosen, start=1)]
+        blocks.append("\n".join([f"# sent_id = s{n}", "# text = " + " ".join(chosen), *rows]) + "\n")
+    path.write_text("\n".join(blocks), encoding="utf-8")
+
+
+def test_functions_and_aggregate_run_on_sentences_long_enough(tmp_path):
+    """analyze_heads (functions and aggregate, the fused engine falling back to eager capture: the core does not
+    dispatch) on sentences of 20 tokens writes its results; on the sample treebank's short sentences it refuses with
+    the guard's reason."""
+    import numpy as np
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU
+    from test_fused_statistics import word_tokenizer
+
+    model = _model(pad_token_id=0, bos_token_id=3, eos_token_id=1, sep_token_id=1)
+    tokenizer = word_tokenizer()
+    frequencies = TokenFrequencies(np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1, "hand-set")
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3)
+    _long_treebank(tmp_path / "long.conllu")
+    result = analyze_heads(model, tokenizer, tmp_path / "long.conllu", config=config, frequencies=frequencies)
+    assert result.results
+    (tmp_path / "short.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    with pytest.raises(HeadlabError, match="transformers runs full attention instead"):
+        analyze_heads(model, tokenizer, tmp_path / "short.conllu", config=config, frequencies=frequencies)
+    assert _unchanged(model)
