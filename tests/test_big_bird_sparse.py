@@ -410,3 +410,16 @@ def test_functions_and_aggregate_run_on_sentences_long_enough(tmp_path):
     with pytest.raises(HeadlabError, match="transformers runs full attention instead"):
         analyze_heads(model, tokenizer, tmp_path / "short.conllu", config=config, frequencies=frequencies)
     assert _unchanged(model)
+
+
+def test_the_papers_lengths_read_the_same():
+    """On 1024 tokens (one of the paper's lengths, 1024, 3072 and 4096) transformers draws its random blocks by its
+    old plan (_bigbird_block_rand_mask), all block 0 in evaluation mode too: capture equals the by-hand map."""
+    model = _model(max_position_embeddings=1024, block_size=16)
+    ids = torch.randint(4, 99, (1, 1024), generator=torch.Generator().manual_seed(5))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    reference = dense_maps(model, inputs)
+    with capture_attention(model) as record, torch.no_grad():
+        model(**inputs)
+    for layer in range(2):
+        torch.testing.assert_close(record[("enc_self", layer)], reference[layer], rtol=0, atol=1e-14)

@@ -53,9 +53,9 @@ def sparse_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> torch.Ten
         raise HeadlabError(f"{type(core).__name__} ran without from_mask: headlab cannot tell its padded queries")
     real = from_mask.reshape(probs.shape[0], 1, probs.shape[2], 1).to(probs.dtype)
     probs = probs * real
-    sums = probs.sum(dim=-1)
+    sums = probs.sum(dim=-1, dtype=torch.float64)  # a half-precision sum over thousands of keys would drift
     tolerance = float(torch.finfo(probs.dtype).eps) ** 0.5
-    off = (sums - real[..., 0]).abs().amax() if probs.numel() else torch.zeros(())
+    off = (sums - real[..., 0].double()).abs().amax() if probs.numel() else torch.zeros(())
     if float(off) > tolerance:
         raise HeadlabError(f"{type(core).__name__}: its dense map, read as transformers 5.24 builds it (random blocks "
                            f"all the first block in evaluation mode), has a query's row summing to 1 {float(off):+.3g} "

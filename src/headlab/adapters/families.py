@@ -169,8 +169,9 @@ class Family:
     shapes (pruned_heads.py resizes them: ``plan["parameters"]``)."""
     install: Callable[[Any], None] | None = None
     """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
-    :func:`headlab.adapters.xlnet.install_points`): called by :func:`headlab.adapters.attention_blocks`, it changes
-    nothing the model computes."""
+    :func:`headlab.adapters.xlnet.install_points`), or a forward that refuses inputs the entry cannot read exactly
+    before they run (block-sparse BigBird's, :func:`headlab.adapters.big_bird.install_guard`): called by
+    :func:`headlab.adapters.attention_blocks`, it changes nothing the model computes."""
     shared_bias: str = ""
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
