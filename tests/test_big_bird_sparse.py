@@ -26,7 +26,7 @@ from headlab import HeadlabError, attention_blocks, capture_attention, load_prun
 from headlab.data.inputs import ImportanceData
 from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
-from support.big_bird import by_hand, dense_maps
+from support.big_bird import by_hand, dense_maps, long_treebank
 from support.family_matrix import check_gates_at_one_change_nothing, perturbed_model
 from support.seq2seq_families import SPECS as PEGASUS_SPECS
 from support.seq2seq_families import (
@@ -372,22 +372,6 @@ def test_a_map_read_otherwise_is_refused(monkeypatch):
         model(**inputs)
 
 
-def _long_treebank(path, sentences: int = 4, words: int = 18) -> None:
-    """A CoNLL-U file of ``sentences`` sentences of ``words`` words of the sample treebank's (a flat tree): with the
-    word tokenizer's <s> and </s>, 20 tokens each, one block count for every batch."""
-    from support.treebank import SAMPLE_CONLLU
-
-    vocabulary = sorted({line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()})
-    g = torch.Generator().manual_seed(0)
-    blocks = []
-    for n in range(1, sentences + 1):
-        chosen = [vocabulary[i] for i in torch.randint(0, len(vocabulary), (words,), generator=g).tolist()]
-        rows = [f"{i}\t{w}\t{w}\tX\tX\t_\t{0 if i == 1 else 1}\t{'root' if i == 1 else 'dep'}\t_\t_"
-                for i, w in enumerate(chosen, start=1)]
-        blocks.append("\n".join([f"# sent_id = s{n}", "# text = " + " ".join(chosen), *rows]) + "\n")
-    path.write_text("\n".join(blocks), encoding="utf-8")
-
-
 def test_functions_and_aggregate_run_on_sentences_long_enough(tmp_path):
     """analyze_heads (functions and aggregate, the fused engine falling back to eager capture: the core does not
     dispatch) on sentences of 20 tokens writes its results; on the sample treebank's short sentences it refuses with
@@ -403,7 +387,7 @@ def test_functions_and_aggregate_run_on_sentences_long_enough(tmp_path):
     tokenizer = word_tokenizer()
     frequencies = TokenFrequencies(np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1, "hand-set")
     config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3)
-    _long_treebank(tmp_path / "long.conllu")
+    long_treebank(tmp_path / "long.conllu", words=18)  # 20 tokens with <s> and </s>
     result = analyze_heads(model, tokenizer, tmp_path / "long.conllu", config=config, frequencies=frequencies)
     assert result.results
     (tmp_path / "short.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")

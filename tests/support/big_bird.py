@@ -54,3 +54,20 @@ def dense_maps(model, inputs: dict) -> tuple[torch.Tensor, ...]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def long_treebank(path, sentences: int = 4, words: int = 18) -> None:
+    """A CoNLL-U file of ``sentences`` sentences of ``words`` words drawn from the sample treebank's (a flat tree, word 1
+    the root): with a word tokenizer's two special tokens, ``words + 2`` tokens each, one block count for every batch
+    (block-sparse BigBird refuses the sample's short sentences)."""
+    from support.treebank import SAMPLE_CONLLU
+
+    vocabulary = sorted({line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()})
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for n in range(1, sentences + 1):
+        chosen = [vocabulary[i] for i in torch.randint(0, len(vocabulary), (words,), generator=g).tolist()]
+        rows = [f"{i}\t{w}\t{w}\tX\tX\t_\t{0 if i == 1 else 1}\t{'root' if i == 1 else 'dep'}\t_\t_"
+                for i, w in enumerate(chosen, start=1)]
+        blocks.append("\n".join([f"# sent_id = s{n}", "# text = " + " ".join(chosen), *rows]) + "\n")
+    path.write_text("\n".join(blocks), encoding="utf-8")
