@@ -407,3 +407,37 @@ def test_the_papers_lengths_read_the_same():
         model(**inputs)
     for layer in range(2):
         torch.testing.assert_close(record[("enc_self", layer)], reference[layer], rtol=0, atol=1e-14)
+
+
+def test_analyze_end_to_end_one_sentence_per_batch(tmp_path, capsys):
+    """headlab analyze --ablation --batch-size 1 on a saved block-sparse BigBird, its source sentences of 20 and 23
+    tokens and its treebank's of 20: every stage done (one sentence per batch: no padding changes a sentence's
+    blocks); with the default batch size the importance stages fail, naming the sentence padded past its blocks."""
+    import json
+
+    from headlab.cli import main
+    from support.family_matrix import save_tiny
+
+    long_treebank(tmp_path / "tb.conllu", words=18)
+    texts = [line[len("# text = "):] for line in (tmp_path / "tb.conllu").read_text().splitlines()
+             if line.startswith("# text = ")]
+    texts = [text + (" the old dog" if i % 2 else "") for i, text in enumerate(texts)]
+    (tmp_path / "text.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    save_tiny(_model().float(), tmp_path / "bb", sorted({w for text in texts for w in text.split()}), "bert")
+
+    def analyze(out: str, *extra: str) -> tuple[int, dict]:
+        code = main(["analyze", str(tmp_path / "bb"), "--source", str(tmp_path / "text.txt"), "--conllu",
+                     str(tmp_path / "tb.conllu"), "--out", str(tmp_path / out), "--skip", "figures", "--no-progress",
+                     "--attention-sentences", "2", "--ablation", *extra])
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        return code, {stage["name"]: stage for stage in manifest["stages"]}
+
+    code, stages = analyze("one", "--batch-size", "1")
+    assert code == 0, capsys.readouterr().err
+    assert {name for name, stage in stages.items() if stage["status"] != "done"} == {"prune", "figures"}, stages
+    capsys.readouterr()
+    code, stages = analyze("batched")
+    assert code == 1
+    assert stages["confidence"]["status"] == "failed" and stages["functions"]["status"] == "done"
+    captured = capsys.readouterr()
+    assert "would attend otherwise than alone" in captured.out + captured.err
