@@ -128,6 +128,22 @@ def test_short_inputs_are_refused_before_transformers_swaps_the_modules():
     assert _unchanged(model)
 
 
+def test_the_guard_holds_under_accelerates_hooks():
+    """A model dispatched by accelerate (device_map) has its forwards replaced on the instance, calling the class's
+    forward bound before: the guard wraps that one too (without, the short input swapped the modules)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = _model()
+    add_hook_to_module(model.bert, ModelHook())
+    attention_blocks(model)
+    with pytest.raises(HeadlabError, match="given 14 tokens"):
+        model(input_ids=torch.randint(4, 99, (1, _threshold(1))))
+    assert _unchanged(model)
+    attention_blocks(model)  # once: installed again, the guard is not stacked
+    with torch.no_grad():
+        model(**_inputs())
+
+
 @pytest.mark.parametrize("padding", ["past its last block", "left", "short row"])
 def test_batches_that_change_a_sentences_blocks_are_refused(padding):
     """A row padded past its last block attends otherwise than alone (its last block is no longer global), so does a

@@ -24,6 +24,8 @@ What transformers does, and what headlab does about it:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -153,6 +155,18 @@ def _guarded(cls: type) -> type:
     return _CLASSES[cls]
 
 
+def _guarded_instance(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, a module's own (an instance attribute: accelerate's hooks replace ``module.forward`` so, calling
+    the class's forward bound before), with :func:`check_input` before it."""
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        check_input(module, args, kwargs)
+        return forward(*args, **kwargs)
+
+    setattr(guarded, _GUARDED, True)
+    return guarded
+
+
 def install_guard(model: nn.Module) -> None:
     """Give every ``BigBirdModel`` and ``BigBirdPegasusEncoder`` of ``model`` (once) a forward that refuses, before
     transformers' runs, what :func:`check_input` refuses: an input on which transformers would swap the attention
@@ -166,3 +180,6 @@ def install_guard(model: nn.Module) -> None:
                 type(m).__name__ == full for m in module.modules()):
             raise HeadlabError(_switched(module))
         module.__class__ = _guarded(type(module))
+        own = vars(module).get("forward")  # a forward set on the instance (accelerate's) would skip the class's
+        if own is not None and not getattr(own, _GUARDED, False):
+            module.forward = _guarded_instance(module, own)  # type: ignore[method-assign]
