@@ -457,3 +457,20 @@ def test_analyze_end_to_end_one_sentence_per_batch(tmp_path, capsys):
     assert stages["confidence"]["status"] == "failed" and stages["functions"]["status"] == "done"
     captured = capsys.readouterr()
     assert "would attend otherwise than alone" in captured.out + captured.err
+
+
+def test_analyze_refuses_short_sources_before_any_work(tmp_path, capsys):
+    """Every sentence of at most the threshold's tokens would be refused by the guard whatever its batch: `headlab
+    analyze` refuses the run once, naming the lines, before the first stage's work (before, every stage failed in turn
+    on the first short sentence)."""
+    from headlab.cli import main
+    from support.family_matrix import save_tiny, treebank_files
+
+    words = treebank_files(tmp_path)  # text.txt: the sample treebank's sentences, 6 to 11 tokens
+    save_tiny(_model().float(), tmp_path / "bb", words, "bert")
+    code = main(["analyze", str(tmp_path / "bb"), "--source", str(tmp_path / "text.txt"), "--out",
+                 str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("lines 1, 2, 3, 4 have at most 14 tokens") == 1 and "running" not in err.split("error:")[-1]
+    assert not (tmp_path / "out" / "manifest.json").exists()

@@ -115,17 +115,27 @@ def check_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
                 f"{threshold}, or run one sentence per batch" + retry)
 
 
-def block_sparse_probe(model: nn.Module) -> tuple[int, int, int] | None:
-    """(length, right padding, left padding) of a probe batch that a block-sparse BigBird runs as :func:`check_input`
-    lets it: two blocks past its threshold, the padding within the last block, none on the left; None for any other
-    model."""
+def block_sparse_layout(model: nn.Module) -> tuple[int, int] | None:
+    """(block_size, threshold) of a block-sparse BigBird (BigBird-Pegasus): it runs block-sparse attention on inputs
+    longer than the threshold, (5 + 2 x num_random_blocks) x block_size tokens, and :func:`check_input` refuses the
+    others; None for any other model."""
     for module in model.modules():
         if type(module).__name__ in GUARDED_CLASSES and getattr(module, "attention_type", None) == "block_sparse":
             config = getattr(module, "config")  # noqa: B009 (mypy: a module's attribute)
             size = int(config.block_size)
-            threshold = (5 + 2 * int(config.num_random_blocks)) * size
-            return (threshold // size + 2) * size, min(2, size - 1), 0
+            return size, (5 + 2 * int(config.num_random_blocks)) * size
     return None
+
+
+def block_sparse_probe(model: nn.Module) -> tuple[int, int, int] | None:
+    """(length, right padding, left padding) of a probe batch that a block-sparse BigBird runs as :func:`check_input`
+    lets it: two blocks past its threshold, the padding within the last block, none on the left; None for any other
+    model."""
+    layout = block_sparse_layout(model)
+    if layout is None:
+        return None
+    size, threshold = layout
+    return (threshold // size + 2) * size, min(2, size - 1), 0
 
 
 def _switched(module: nn.Module) -> str:
