@@ -474,3 +474,31 @@ def test_analyze_refuses_short_sources_before_any_work(tmp_path, capsys):
     assert code == 2
     assert err.count("lines 1, 2, 3, 4 have at most 14 tokens") == 1 and "running" not in err.split("error:")[-1]
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("random_blocks", [1, 2])
+def test_lrp_conserves_to_1e10_bias_free(random_blocks):
+    """On a bias-free copy (Linear weights at unit gain), the relevance reaching layer 0's input sums to the explained
+    logit to 1e-10: the queries and keys held constant, the block-sparse weights (the first block's keys counted
+    1 + r times) weigh the values linearly."""
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import lrp_rules
+
+    model, inputs = _model(random_blocks), _inputs(random_blocks)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0, module.in_features ** -0.5)
+    seen: list[torch.Tensor] = []
+    handle = model.bert.encoder.layer[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(**inputs).logits
+            z = out[2, 5, out[2, 5].argmax()]  # the padded row's
+            grad, = torch.autograd.grad(z, [seen[0]])
+    finally:
+        handle.remove()
+    torch.testing.assert_close((seen[0].detach() * grad).sum(), z.detach(), rtol=1e-10, atol=1e-10)
