@@ -6,14 +6,21 @@ drawn, each is the first block, so a middle query's softmax counts the first blo
 of adding them. On tiny float64 models (block_size 2, num_random_blocks 1 and 2, inputs longer than
 (5 + 2 r) x block_size, lengths the model pads to a multiple of block_size, padded batches):
 
-* capture equals the map worked out by hand from the layer's queries and keys (each block's keys, repeats counted),
-  whose product with the values is the forward's context; transformers' own map is not that map;
+* capture equals the map worked out by hand from the layer's queries and keys (each block's keys, repeats counted;
+  tests/support/big_bird.py), whose product with the values is the forward's context; transformers' own map is not
+  that map; a map read otherwise (random blocks elsewhere) is refused; the paper's lengths (1024) read the same;
 * inputs on which transformers would swap the attention modules for full ones (too short), or on which a sentence's
   block layout would differ from its own (padded past its last block, padded on the left), are refused before the
-  forward runs, the modules left as they are; a model already switched is refused by attention_blocks;
+  forward runs, the modules left as they are (under accelerate's dispatch hooks too); a model already switched is
+  refused by attention_blocks; a block-sparse decoder before any work;
 * masking a head equals zeroing its value rows, gates at one change nothing, physical pruning equals masking (a layer
   with no head left too), and so do load_pruned and plain transformers on the saved directory;
-* LRP (queries and keys held constant) conserves relevance to 1e-10, pruned too.
+* LRP (queries and keys held constant) conserves relevance to 1e-10 bias-free, compute_lrp to 1e-9 with biases,
+  pruned too;
+* functions and aggregate run on sentences long enough; `headlab analyze` runs every stage one sentence per batch,
+  and refuses a source of short sentences before any work;
+* BigBird-Pegasus (refused whole until session 40): its encoder's attention BigBird's (block-sparse or full), its
+  decoder's BART's: capture, masking, pruning (cached generation too) and reloads, short sources refused, LRP.
 """
 
 from __future__ import annotations
