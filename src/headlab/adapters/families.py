@@ -169,8 +169,9 @@ class Family:
     shapes (pruned_heads.py resizes them: ``plan["parameters"]``)."""
     install: Callable[[Any], None] | None = None
     """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
-    :func:`headlab.adapters.xlnet.install_points`): called by :func:`headlab.adapters.attention_blocks`, it changes
-    nothing the model computes."""
+    :func:`headlab.adapters.xlnet.install_points`), or a forward that refuses inputs the entry cannot read exactly
+    before they run (block-sparse BigBird's, :func:`headlab.adapters.big_bird.install_guard`): called by
+    :func:`headlab.adapters.attention_blocks`, it changes nothing the model computes."""
     shared_bias: str = ""
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
@@ -1354,6 +1355,68 @@ def bert_like(config: Any) -> Family:
     return BERT_LIKE_DECODER if getattr(config, "is_decoder", False) else BERT_LIKE
 
 
+# BigBird with block-sparse attention (BigBirdForMaskedLM and the other heads, transformers 5.24, models/big_bird):
+# encoder.layer.N.attention, BERT's layout (self.query/key/value, output.dense), outside the attention interface:
+# BigBirdBlockSparseAttention returns (context, dense map) always, the map as transformers builds it not the weights
+# its forward applied (headlab.adapters.big_bird.sparse_probs reads them). BigBirdModel pads the tokens to a multiple
+# of block_size first; its forward would swap the attention modules for full ones on short inputs, which the guard
+# installed on it refuses before the forward runs (headlab.adapters.big_bird). The forward views the projections as
+# [.., num_attention_heads, attention_head_size] and merges them back by -1: a pruned layer runs it as it is.
+# With attention_type='original_full' BigBird is found by run-time discovery (its BigBirdSelfAttention, BERT's).
+def _install_big_bird_guard(model: Any) -> None:
+    from headlab.adapters.big_bird import install_guard
+
+    install_guard(model)
+
+
+def _big_bird_sparse_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    from headlab.adapters.big_bird import sparse_probs
+
+    return sparse_probs(core, args, kwargs, output)
+
+
+BIG_BIRD_SPARSE = Family(
+    name="big_bird-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_reader=_big_bird_sparse_probs,
+    padded_by="BigBirdModel",
+    install=_install_big_bird_guard,
+)
+
+
+# BigBird-Pegasus (BigBirdPegasusForConditionalGeneration, transformers 5.24, models/bigbird_pegasus): its encoder's
+# layers.N.self_attn is BigBirdPegasusEncoderAttention, BigBird's attention (self: BigBirdPegasusBlockSparseAttention, a
+# copy of BigBird's, or BigBirdPegasusSelfAttention with attention_type='original_full', which returns (context,
+# probabilities) always too) and its output projection ``output``; BigBirdPegasusEncoder pads and switches as
+# BigBirdModel does (the same guard). Its decoder's self_attn and encoder_attn are BART's (q_proj/k_proj/v_proj/
+# out_proj through the attention interface). BigBirdPegasusForCausalLM holds the decoder only.
+_BIGBIRD_PEGASUS_DECODER = replace(
+    BART_LIKE, name="bigbird_pegasus-decoder",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$")))
+BIGBIRD_PEGASUS = replace(
+    BIG_BIRD_SPARSE, name="bigbird_pegasus-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),), o="output",
+    padded_by="BigBirdPegasusEncoder", parts=(_BIGBIRD_PEGASUS_DECODER,))
+BIGBIRD_PEGASUS_FULL = replace(BIGBIRD_PEGASUS, name="bigbird_pegasus-full", probs_reader=None, padded_by="",
+                               install=None)
+
+
+def bigbird_pegasus(config: Any) -> Family:
+    """BigBird-Pegasus's entry: its encoder block-sparse (its config's default) or full."""
+    return BIGBIRD_PEGASUS if getattr(config, "attention_type", "original_full") == "block_sparse" \
+        else BIGBIRD_PEGASUS_FULL
+
+
+def big_bird(config: Any) -> Family | None:
+    """Block-sparse BigBird's entry; None (run-time discovery) with full attention."""
+    return BIG_BIRD_SPARSE if getattr(config, "attention_type", "original_full") == "block_sparse" else None
+
+
 def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
@@ -1600,7 +1663,9 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {
+                   "big_bird": big_bird, "bigbird_pegasus": bigbird_pegasus, "falcon": falcon,
+                   "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
                    "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
@@ -1660,9 +1725,6 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
-                       "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
-                       "class drops the encoder)",
     # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
     # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
     # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
@@ -1731,12 +1793,15 @@ switching the config's implementation, as capture does, does not reach it), with
 
 
 def _big_bird(config: Any) -> str | None:
-    if getattr(config, "attention_type", "original_full") == "original_full":
+    # read in transformers 5.24 (models/big_bird): BigBirdModel.__init__ switches a block-sparse model with
+    # add_cross_attention to full attention (its config still says block_sparse), and its forward switches a decoder
+    # given a cache; block-sparse attention itself is bidirectional (no causal mask)
+    if getattr(config, "attention_type", "original_full") != "block_sparse" or not (
+            getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
         return None
-    return ("BigBird's block-sparse attention (attention_type='block_sparse', its config's default) computes no "
-            "[query, key] probability map per head, which headlab's analysis reads, and on inputs too short for it "
-            "transformers swaps the model's attention modules for full attention during a forward pass (headlab "
-            "would hold the old ones); set attention_type to 'original_full' (in config.json, or "
+    return ("BigBird as a decoder (is_decoder or add_cross_attention) with block-sparse attention: its block-sparse "
+            "attention attends both ways (no causal mask), and transformers switches it to full attention when it is "
+            "built with cross-attention or given a cache; set attention_type to 'original_full' (in config.json, or "
             "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
 
 
