@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options", "headlab.plugins", "headlab.numbers"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
     ("headlab.heads", "headlab.display", "headlab.markup", "headlab.resume", "headlab.preflight", "headlab.lock",
-     "headlab.outdir", "headlab.shard", "headlab.quantized",
+     "headlab.outdir", "headlab.shard", "headlab.stored_weights",
      "headlab.nmt.config", "headlab.training.config", "headlab.pruning.config"),
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.

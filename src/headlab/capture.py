@@ -517,18 +517,35 @@ def sink_scaled_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return output, probs * scale.unsqueeze(-1).to(probs.dtype)
 
 
-_sink_eager_registered = False
+_registered_functions: set[str] = set()
 
 
-def _register_sink_eager() -> None:
-    global _sink_eager_registered
-    if not _sink_eager_registered:
+@contextmanager
+def running_attention_function(configs: list[Any], name: str, function: Callable[..., Any]) -> Iterator[None]:
+    """Inside, ``configs`` (a model's, each once) name ``name`` as their attention implementation, ``function``
+    registered under it with transformers' ``AttentionInterface`` (once; its masks eager's, built as for "eager"),
+    and back to what they named on exit. Only these configs change: a modeling module's ``eager_attention_forward``,
+    which every model of the type reads, is left alone (another model's forward, in another thread, sees none of
+    this). Used for the eager variants that return what eager does not (:func:`sink_scaled_eager`) or hold what LRP
+    holds (``importance.shared_kv_rule``)."""
+    if not configs:
+        yield
+        return
+    if name not in _registered_functions:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-        AttentionInterface.register(SINK_EAGER, sink_scaled_eager)
-        AttentionMaskInterface.register(SINK_EAGER, eager_mask)  # eager's own masks, built as for "eager"
-        _sink_eager_registered = True
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, eager_mask)
+        _registered_functions.add(name)
+    previous = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = name
+        yield
+    finally:
+        for config, before in zip(configs, previous):
+            config._attn_implementation = before
 
 
 @contextmanager
@@ -537,8 +554,7 @@ def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
     returns the weights its values get (:func:`sink_scaled_eager`), as GPT-OSS's eager does: their configs'
     attention implementation is :data:`SINK_EAGER`, registered with transformers' ``AttentionInterface``, and back
     to what it was on exit. Only this model's configs change: its modeling module's ``eager_attention_forward``,
-    which every model of the type reads, is left alone (another capture, or another model's forward, in another
-    thread, sees none of this)."""
+    which every model of the type reads, is left alone (:func:`running_attention_function`)."""
     scaled = [b for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads]
     for block in scaled:  # blocks read under another transformers module: refused before any switch
         check_sink_eager(_model_type(block), block.core)
@@ -547,18 +563,8 @@ def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
                                "function from transformers' AttentionInterface, where headlab reads the weights "
                                "its values get after the sinks' scaling")
     configs: list[Any] = list({id(b.core.config): b.core.config for b in scaled}.values())
-    if not configs:
+    with running_attention_function(configs, SINK_EAGER, sink_scaled_eager):
         yield
-        return
-    _register_sink_eager()
-    previous = [config._attn_implementation for config in configs]
-    try:
-        for config in configs:
-            config._attn_implementation = SINK_EAGER
-        yield
-    finally:
-        for config, name in zip(configs, previous):
-            config._attn_implementation = name
 
 
 @contextmanager

@@ -83,7 +83,7 @@ from headlab.portable_code import (
     t5_bias_hook,
 )
 from headlab.portable_code import save_adapter as _save_adapter
-from headlab.quantized import UNQUANTIZED_HINT, describe, quantized_modules, stored_quantized
+from headlab.stored_weights import HINT, describe, stored_elsewhere, stored_elsewhere_modules
 
 if TYPE_CHECKING:
     from headlab.prune_check import Mismatch
@@ -1517,15 +1517,16 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"({', '.join(f'{name}: {cls}' for name, cls in quantized)}, transformers.integrations.bitnet): "
             f"{BITNET_LINEARS[quantized[0][1]]}; mask the heads instead (mask_heads, or headlab prune train's gates)")
     # the attention module's own weights, and its projections held elsewhere (an output projection outside it)
-    stored = quantized_modules(block.module, block.name)
+    stored = stored_elsewhere_modules(block.module, block.name)
     stored += [(f"its {name} projection", type(m).__name__, found) for name, m in (("q", block.q), ("k", block.k),
                                                                                  ("v", block.v), ("o", block.o))
-               if m is not None and not _inside(m, block.module) and (found := stored_quantized(m))]
+               if m is not None and not _inside(m, block.module) and (found := stored_elsewhere(m))]
     if stored and block.n_heads:
         raise HeadlabError(
-            f"{block.name} ({block.family.name}): physical pruning is refused: its weights are stored quantized "
-            f"({describe(stored)}): packed rows and block scales are not one head's weights, which headlab's slicing "
-            f"assumes; mask the heads instead (mask_heads, or headlab prune train's gates), or {UNQUANTIZED_HINT}")
+            f"{block.name} ({block.family.name}): physical pruning is refused: its weights are stored quantized or "
+            f"offloaded ({describe(stored)}): packed rows and block scales are not one head's weights, and an "
+            "offloaded module's copy would stay whole, where headlab's slicing cuts the module's own tensors; mask the "
+            f"heads instead (mask_heads, or headlab prune train's gates), or {HINT}")
     problem = _sub_norm_problem(block) if block.n_heads else None
     if problem:
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {problem}; mask the heads "

@@ -136,7 +136,7 @@ from headlab.errors import HeadlabError
 from headlab.importance import cca_rule, mixer_rules, shared_kv_rule
 from headlab.importance.head_map_rule import head_map_hooks, head_map_problem
 from headlab.importance.residual_streams import residual_stream_problem
-from headlab.quantized import UNQUANTIZED_HINT, describe, quantized_modules
+from headlab.stored_weights import HINT, describe, stored_elsewhere_modules
 from headlab.surgery import head_row_modules
 
 __all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
@@ -550,12 +550,12 @@ def check_rules(model: nn.Module) -> None:
 
 def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     """:func:`check_rules`; what no rule covers, all of it never run (:func:`_unruled`'s form), back."""
-    if found := quantized_modules(model):  # LRP widens every floating weight: a quantized one's stored values
+    if found := stored_elsewhere_modules(model):  # LRP widens the weights in place: not stored values, not copies
         raise HeadlabError(
-            f"LRP is refused on a model whose weights are stored quantized ({describe(found)}): LRP computes in "
-            "float32 or float64 with the weights widened, which reads stored values as if they were the weights "
-            "(a float8 weight without its scales, a packed integer one not at all), so the relevance would explain "
-            f"another model; {UNQUANTIZED_HINT}")
+            f"LRP is refused on a model whose weights are stored quantized or offloaded ({describe(found)}): LRP "
+            "computes in float32 or float64 with the module's own weights widened in place, which reads stored values "
+            "as if they were the weights (a float8 weight without its scales, a packed integer one not at all) or "
+            f"widens none (an offloaded weight, loaded from its copy at each forward); {HINT}")
     blocks = attention_blocks(model)
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it

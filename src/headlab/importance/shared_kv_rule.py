@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock
+from headlab.capture import running_attention_function
 from headlab.errors import HeadlabError
 
 __all__ = ["NAME", "hooks", "is_shared_kv", "keys_held", "keys_held_eager", "problem"]
@@ -116,40 +117,17 @@ def keys_held_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return eager(module, query, key.detach(), value, attention_mask, scaling, dropout, **kwargs)
 
 
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-        AttentionInterface.register(NAME, keys_held_eager)
-        AttentionMaskInterface.register(NAME, eager_mask)  # eager's own masks, built as for "eager"
-        _registered = True
-
-
 @contextmanager
 def keys_held(blocks: list[AttentionBlock]) -> Iterator[None]:
     """Inside, the blocks with a shared key-value head (:func:`is_shared_kv`) run :func:`keys_held_eager`: their
-    configs' attention implementation is :data:`NAME`, and back to what it was on exit. A config on another
-    implementation than eager (the only one DeepSeek-V4 has, which LRP runs) is refused."""
+    configs' attention implementation is :data:`NAME` (:func:`headlab.capture.running_attention_function`), and back
+    to what it was on exit. A config on another implementation than eager (the only one DeepSeek-V4 has, which LRP
+    runs) is refused."""
     configs: list[Any] = list({id(b.core.config): b.core.config for b in blocks
                                if b.n_heads and not b.idle and is_shared_kv(b)}.values())
     for config in configs:
         if config._attn_implementation not in (None, "eager"):
             raise HeadlabError(f"LRP: DeepSeek-V4's attention runs {config._attn_implementation!r}, where headlab's "
                                "rule holds its shared keys constant in its eager attention only")
-    if not configs:
+    with running_attention_function(configs, NAME, keys_held_eager):
         yield
-        return
-    _register()
-    previous = [config._attn_implementation for config in configs]
-    try:
-        for config in configs:
-            config._attn_implementation = NAME
-        yield
-    finally:
-        for config, name in zip(configs, previous):
-            config._attn_implementation = name

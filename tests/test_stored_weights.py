@@ -1,5 +1,5 @@
-"""Weights stored quantized (headlab.quantized): LRP and physical pruning are refused before any work, naming the
-modules; nothing is changed.
+"""Weights stored quantized or offloaded (headlab.stored_weights): LRP and physical pruning are refused before any
+work, naming the modules; nothing is changed.
 
 Before, LRP widened transformers' ``FP8Linear`` weights (float8 with block scales) to float64 and ran ``F.linear`` on
 the stored values without their scales: it explained another model and said its relevance was conserved (it is that
@@ -15,7 +15,7 @@ from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8Linear
 
 from headlab import HeadlabError, attention_blocks, prune_heads
-from headlab.quantized import quantized_modules, stored_quantized
+from headlab.stored_weights import stored_elsewhere_modules, stored_quantized
 from headlab.surgery import check_block_sliceable, check_prunable
 from support import models
 from support.lrp_families import lrp_data
@@ -65,7 +65,7 @@ def test_what_is_stored_quantized():
 
 @pytest.mark.parametrize("family", models.FAMILIES)
 def test_no_model_of_the_matrix_counts_as_quantized(family):
-    assert quantized_modules(models.tiny_model(family)) == []
+    assert stored_elsewhere_modules(models.tiny_model(family)) == []
 
 
 def test_lrp_is_refused_before_any_work_naming_the_module():
@@ -74,7 +74,7 @@ def test_lrp_is_refused_before_any_work_naming_the_module():
     model = _quantized_llama()
     data, info = lrp_data(model)
     state = _state(model)
-    with pytest.raises(HeadlabError, match=r"LRP is refused on a model whose weights are stored quantized \("
+    with pytest.raises(HeadlabError, match=r"LRP is refused on a model whose weights are stored quantized or offloaded \("
                                            r"model\.layers\.1\.self_attn\.q_proj \(FP8Linear: weight float8_e4m3fn\)\)"
                                            r".*dequantize"):
         compute_lrp(model, data, info, bootstrap=0)
@@ -87,7 +87,7 @@ def test_pruning_is_refused_before_any_change_naming_the_module(where):
     model = _quantized_llama(where)
     state = _state(model)
     with pytest.raises(HeadlabError, match=rf"model\.layers\.1\.self_attn \(.*\): physical pruning is refused: its "
-                                           rf"weights are stored quantized \(model\.layers\.1\.self_attn\.{where} "
+                                           rf"weights are stored quantized or offloaded \(model\.layers\.1\.self_attn\.{where} "
                                            r"\(FP8Linear: weight float8_e4m3fn\)\).*mask the heads instead"):
         prune_heads(model, {("dec_self", 1): [0]})
     assert _unchanged(model, state)
@@ -103,3 +103,47 @@ def test_only_the_pruned_blocks_weights_count():
     check_block_sliceable(blocks[0])
     with pytest.raises(HeadlabError, match="stored quantized"):
         check_block_sliceable(blocks[1])
+
+
+def _offloaded_llama() -> nn.Module:
+    """accelerate's CPU offloading: parameters on the meta device, an AlignDevicesHook loading them at each forward
+    (what a device_map with "cpu" or "disk" entries beside a GPU gives)."""
+    from accelerate import cpu_offload
+
+    model = models.tiny_model("llama", attn_implementation="eager")
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    return model
+
+
+def test_lrp_on_an_offloaded_model_is_refused_before_any_work():
+    """Before, it failed inside the run (``Tensor.item() cannot be called on meta tensors``), an internal error."""
+    from headlab.importance import compute_lrp
+
+    model = _offloaded_llama()
+    data, info = lrp_data(models.tiny_model("llama"))
+    with pytest.raises(HeadlabError, match=r"LRP is refused on a model whose weights are stored quantized or offloaded "
+                                           r"\(model\.embed_tokens \(Embedding: weight offloaded \(accelerate\)\)"):
+        compute_lrp(model, data, info, bootstrap=0)
+
+
+def test_pruning_an_offloaded_model_is_refused_before_any_change():
+    """Before, the slicing ran on the meta parameters and the check then failed, blaming the model's own forward."""
+    model = _offloaded_llama()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    with pytest.raises(HeadlabError, match=r"physical pruning is refused: its weights are stored quantized or "
+                                           r"offloaded \(model\.layers\.0\.self_attn\.q_proj \(Linear: weight "
+                                           r"offloaded \(accelerate\)\)"):
+        prune_heads(model, {("dec_self", 0): [0]})
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
+
+
+def test_a_model_built_on_the_meta_device_is_not_offloaded():
+    """check_supported reads a structure built on the meta device (no hook, no weights yet): not refused here."""
+    with torch.device("meta"):
+        model = models.tiny_model("llama")
+    assert stored_elsewhere_modules(model) == []
+    check_block_sliceable(attention_blocks(model)[0])
