@@ -1172,7 +1172,10 @@ LONGFORMER = Family(
 # channels), applied to conv_out_layer(x) over conv_kernel_size positions. output.dense reads [attention heads' outputs
 # (heads x d) | convolution heads' outputs (all_head_size)]: masking and gating act on a head's columns among the
 # first heads x d (what transformers' old head_mask did: it multiplied attention_probs), the convolution heads' columns
-# passed through untouched. ConvBertModel never passes encoder states: a decoder's crossattention is never fed.
+# passed through untouched. ConvBertModel never passes encoder states: a decoder's crossattention is never fed. Its
+# convolutions have no padding mask: in a padded batch a row's edge tokens read the padding's states (where the row
+# alone reads zeros), so from layer 1 on a sentence's maps depend on its batch, as the model computes them (the docs
+# say so; tests/test_convbert.py pins it).
 CONVBERT = Family(
     name="convbert",
     patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
