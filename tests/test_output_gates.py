@@ -19,8 +19,10 @@ hyper-connections), refused for those until session 36, is analysed and pruned: 
 
 Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
 (``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2 and Inkling2-Loop stay refused,
-naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Qwen4-Exp, refused so until session
-36, is analysed and pruned as Qwen3-Next's gated attention: tests/test_hyper_connection_families.py.
+naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Since session 40 Inkling2 is
+analysed and masked (tests/test_inkling2.py) and only Inkling2-Loop is refused here, for its loop layers.
+Qwen4-Exp, refused so until session 36, is analysed and pruned as Qwen3-Next's gated attention:
+tests/test_hyper_connection_families.py.
 """
 
 from __future__ import annotations
@@ -606,12 +608,9 @@ _INKLING2 = dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_
                  sliding_window_size=4, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1,
                  layer_types=["hybrid_sliding", "hybrid"])
 # model type -> (its config beyond _UNCHECKED, what the refusal names)
-UNCHECKED = {
-    "inkling2_text": (_INKLING2, r"o_proj\.gate_proj: .*attention sinks computed from the layer's input \(sink_proj.*"
-                                 r"relative_position_bias.*short convolutions over the key and value channels.*block "
-                                 r"attention residuals"),
-    "inkling2_loop_text": (_INKLING2, r"o_proj\.gate_proj: .*sink_proj.*block attention residuals.*Inkling2-Loop also "
-                                      r"runs its loop layers several times"),
+UNCHECKED = {  # Inkling2 itself is analysed since session 40: tests/test_inkling2.py
+    "inkling2_loop_text": (_INKLING2, r"o_proj\.gate_proj: Inkling2-Loop runs its loop layers .* loop_num_passes times "
+                                      r"in one forward.*several attentions at several depths"),
 }
 
 
@@ -629,10 +628,10 @@ def _unchecked(model_type: str):
 
 @pytest.mark.parametrize("model_type", tuple(UNCHECKED))
 def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
-    """Inkling2 (and Inkling2-Loop) gate each head by its own rows too, but have parts headlab has not checked
-    (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop layers):
-    refused before any work naming them (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type
-    OUTPUT_GATES does not list). Qwen4-Exp, here until session 36: tests/test_hyper_connection_families.py."""
+    """Inkling2-Loop gates each head by its own rows too, but runs its loop layers several times per forward: refused
+    before any work naming that (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type OUTPUT_GATES does
+    not list; until session 40 with Inkling2's other parts, which are now analysed: tests/test_inkling2.py). Qwen4-Exp,
+    here until session 36: tests/test_hyper_connection_families.py."""
     model, named = _unchecked(model_type)
     with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.layers\.\d\.self_attn: an output "
                                            rf"gate from {named}"):
@@ -641,19 +640,19 @@ def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
 
 @pytest.mark.parametrize("model_type", tuple(UNCHECKED))
 def test_in_float64_where_their_forward_fails_the_refusal_still_names_the_unchecked_parts(model_type):
-    """Inkling2's forward does not run in float64 (a float32 product inside), so discovery's probe fails; the refusal
-    still names what headlab has not checked (before: "cannot read the output width of Inkling2QueryProjection", from
+    """Inkling2-Loop's forward does not run converted whole to float64 (a float32 product inside), so discovery's probe
+    fails; the refusal still names the loop (before: "cannot read the output width of Inkling2QueryProjection", from
     the name-based fallback)."""
     model = _unchecked(model_type)[0].double()
-    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): its o_proj\.gate_proj gate .* headlab has "
-                                           "not checked these"):
+    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): Inkling2-Loop runs its loop layers"):
         attention_blocks(model)
 
 
-@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop"])
+@pytest.mark.parametrize("model_type", ["inkling2_loop"])
 def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
-    """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work
-    for their language model's unchecked parts, as the text model is (before: as a gate of an unlisted type)."""
+    """The vision-language wrapper (a tiny vision tower around the text model above): refused before any work for its
+    language model's loop, as the text model is (before: as a gate of an unlisted type). Inkling2's (inkling2) is
+    analysed: tests/test_inkling2.py."""
     from transformers import AutoModelForImageTextToText
 
     text_type = f"{model_type}_text"

@@ -371,7 +371,7 @@ def not_streamable(model: nn.Module) -> str | None:
     """Why ``model``'s attention cannot run through headlab's attention function, or None where it
     can: a block that does not dispatch through transformers' registry (:func:`unregistrable`;
     :func:`stream_attention` would cut the whole map), or one that hands the function attention
-    sinks (``s_aux``, GPT-OSS), which it refuses mid-forward. The engines that default to the
+    sinks (``s_aux``, GPT-OSS; ``sinks=``, Inkling2), which it refuses mid-forward. The engines that default to the
     function (the fused statistics, confidence) run the eager path instead."""
     blocks = attention_blocks(model)
     unable = unregistrable(blocks)
@@ -389,6 +389,8 @@ def not_streamable(model: nn.Module) -> str | None:
             continue
         if "s_aux" in source:
             return f"its attention has sinks (s_aux, {block.name}), which headlab's attention function does not implement"
+        if "sinks=sinks" in source:  # Inkling2's sinks, a logit per head and query from the layer's input
+            return f"its attention has sinks (sinks=, {block.name}), which headlab's attention function does not implement"
     return None
 
 

@@ -36,6 +36,7 @@ from headlab.adapters.families import (
     CAUSAL_ON_TOKEN_IDS,
     CONFIG_FAMILIES,
     CORE_CLASSES_REFUSED,
+    DEPTH_MIXERS,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
     HEAD_MAPS,
@@ -43,9 +44,12 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
+    LRP_REFUSED,
     MERGED_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
+    PROBE_FAILURES,
+    PRUNING_REFUSED,
     QKV_ADAPTERS,
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
@@ -336,12 +340,15 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     named = [c for c in _generic_candidates(model) if type(c[3]).__name__ not in LINEAR_MIXERS]
     where = f"{type(model).__name__} (model_type {model_type!r})"
     try:
-        found = discover(model)
+        # Inkling2's block attention residuals (DEPTH_MIXERS) attend over depth, not over tokens: no heads
+        found = [item for item in discover(model) if type(_item_core(model, item)).__name__ not in DEPTH_MIXERS]
     except ModelChanged as error:
         raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
-        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (Inkling2's forward fails in float64)
+        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (Inkling2-Loop's fails in float64)
             raise HeadlabError(f"{where}: {OUTPUT_GATES_REFUSED[model_type]}") from None
+        if model_type in PROBE_FAILURES:  # Inkling2 converted to float64 whole: why, not a guess by names
+            raise HeadlabError(f"{where}: {error}: {PROBE_FAILURES[model_type]}") from None
         if named and _ships_with_transformers(model):
             return named
         raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
@@ -457,6 +464,11 @@ def _merged(model: nn.Module, item: Discovered) -> Discovered:
     return dataclasses.replace(item, problem=None, q=q, k=k, v=v, probs_index=1)
 
 
+def _item_core(model: nn.Module, item: Discovered) -> nn.Module:
+    module = model.get_submodule(item.name)
+    return module.get_submodule(item.core) if item.core else module
+
+
 def _known_gates(model_type: str, item: Discovered) -> bool:
     """The output gate discovery saw comes from the projections :data:`OUTPUT_GATES` lists for this model
     type (relative to the attention module), the ones whose rows its ``head_rows`` slice per head."""
@@ -552,6 +564,10 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]
         family = dataclasses.replace(family, head_vectors=(*family.head_vectors, f"{path}.{vector}"),
                                      group_holders=(*family.group_holders, holder))
+    if model_type in LRP_REFUSED:  # Inkling2's: parts that no LRP rule covers
+        family = dataclasses.replace(family, lrp_refused=LRP_REFUSED[model_type])
+    if model_type in PRUNING_REFUSED:  # Inkling2's: per-head parts that pruning does not slice
+        family = dataclasses.replace(family, prune_refused=PRUNING_REFUSED[model_type])
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
     if sinks:

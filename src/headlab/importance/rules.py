@@ -576,7 +576,7 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             continue
         # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
         refused = block.family.lrp_refused or block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
-        if block.n_heads and block.q is None and block.qkv is None and refused:
+        if block.n_heads and (block.family.lrp_refused or block.q is None and block.qkv is None and refused):
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and (problem := head_map_problem(block)):  # a per-head map before o_proj without a rule
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
