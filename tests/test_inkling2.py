@@ -134,6 +134,21 @@ def test_masking_equals_zeroed_values_and_gates_at_one_change_nothing():
     check_gates_at_one_change_nothing(build(), tiny_inputs())
 
 
+@pytest.mark.parametrize("kv_head", [0, 1])
+def test_masking_in_the_sliding_layer_equals_zeroed_values(kv_head):
+    """Layer 0 (sliding window, its key/value convolutions a static depthwise Conv1d in float32): masking the query
+    heads of key/value head j equals zeroing j's rows of v_proj.linear, to float32's rounding."""
+    inputs = tiny_inputs()
+    model = build()
+    heads = [2 * kv_head, 2 * kv_head + 1]
+    with mask_heads(model, {("dec_self", 0): heads}):
+        masked = logits(model, inputs)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.linear.weight[kv_head * 8:kv_head * 8 + 8] = 0
+    reference = logits(model, inputs)
+    torch.testing.assert_close(masked, reference, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("layer", [0, 1])
 def test_each_heads_gate_multiplies_that_head_only(layer):
     """Head 1's gate rows changed: the logits change, unless head 1 is masked (then nothing changes)."""
