@@ -44,6 +44,7 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
+    LOOPED_LAYERS,
     LRP_REFUSED,
     MERGED_ATTENTION,
     OUTPUT_GATES,
@@ -345,7 +346,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     except ModelChanged as error:
         raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
-        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (Inkling2-Loop's fails in float64)
+        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (its forward may fail in float64)
             raise HeadlabError(f"{where}: {OUTPUT_GATES_REFUSED[model_type]}") from None
         if model_type in PROBE_FAILURES:  # Inkling2 converted to float64 whole: why, not a guess by names
             raise HeadlabError(f"{where}: {error}: {PROBE_FAILURES[model_type]}") from None
@@ -371,6 +372,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     candidates = []
     for item in found:
         item_type = _table_type(model, model_type, item)
+        item = _one_run(model, item_type, item)  # Inkling2-Loop's loop layers: each run a depth of its own
         if item.problem and item.gates and _known_gates(item_type, item):
             item = dataclasses.replace(item, problem=None)
         elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
@@ -462,6 +464,21 @@ def _merged(model: nn.Module, item: Discovered) -> Discovered:
         return item
     q, k, v = (paths[0] for paths in item.sources)
     return dataclasses.replace(item, problem=None, q=q, k=k, v=v, probs_index=1)
+
+
+def _one_run(model: nn.Module, model_type: str, item: Discovered) -> Discovered:
+    """A module of a :data:`LOOPED_LAYERS` type that ran as many times as its config runs its decoder layer (a loop
+    layer: once per pass) as one run shows it (:attr:`Discovered.once`), each run to be a block of its own depth
+    (:func:`_looped`); any other item as it is (a module run more times than that stays refused)."""
+    depths_of = LOOPED_LAYERS.get(model_type)
+    if depths_of is None or item.once is None:
+        return item
+    order = depths_of(getattr(model, "config", None))
+    numbers = [int(n) for n in re.findall(r"(?:^|\.)layers\.(\d+)(?=\.|$)", item.name)]
+    if order is None or not numbers or order.count(numbers[-1]) != item.calls:
+        return item
+    problem, gates = item.once
+    return dataclasses.replace(item, problem=problem, gates=gates, once=None)
 
 
 def _item_core(model: nn.Module, item: Discovered) -> nn.Module:
@@ -1008,6 +1025,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         idle |= _unfed_cross_attention(blocks) | {b.name for b in blocks if b.family.name in (
             f"{family.name} tower", f"{family.name} cross-attention")}
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
+    blocks = _looped(model, model_type, blocks)  # Inkling2-Loop: a loop layer's module is a block at each depth
     blocks = _towers_numbered_after(model, blocks)
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
     seen: dict[tuple[str, int], AttentionBlock] = {}
@@ -1017,6 +1035,36 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                                f"{block.name}")
         seen[block.key] = block
     return blocks
+
+
+def _looped(model: nn.Module, model_type: Any, blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """A model whose forward runs some decoder layers several times (:data:`LOOPED_LAYERS`: Inkling2-Loop): its
+    language model's blocks, one per decoder layer as discovery found them (numbered by their place in ``layers``),
+    made one block per depth each runs at, in forward order, numbered by depth (transformers' ``output_attentions``
+    lists one map per call, in that order); a module run at several depths is ALBERT's shared module there
+    (``application``: its call in one pass of the text model, ``scope``). Other models' blocks as they are."""
+    depths_of = LOOPED_LAYERS.get(model_type)
+    if depths_of is None:
+        return blocks
+    where = f"{type(model).__name__} (model_type {model_type!r})"
+    order = depths_of(getattr(model, "config", None))
+    running = [b for b in blocks if not b.idle and b.kind == "dec_self"]
+    by_layer = {b.layer: b for b in running}
+    if order is None or len(by_layer) != len(running) or sorted(by_layer) != sorted(set(order)):
+        raise HeadlabError(f"{where}: its attention modules (decoder layers {sorted(by_layer)}) are not the layers its "
+                           f"config runs at each depth ({order}): headlab cannot number its loop's depths")
+    counts = {index: order.count(index) for index in by_layer}
+    calls: dict[int, int] = {}
+    out = [b for b in blocks if all(b is not r for r in running)]
+    for depth, index in enumerate(order):
+        block = by_layer[index]
+        if ".layers." not in block.name:
+            raise HeadlabError(f"{where}: {block.name} is not in a list of decoder layers (layers.N)")
+        scope = model.get_submodule(block.name[:block.name.rindex(".layers.")]) if counts[index] > 1 else None
+        out.append(dataclasses.replace(block, layer=depth, application=calls.get(index, 0),
+                                       applications=counts[index], scope=scope))
+        calls[index] = calls.get(index, 0) + 1
+    return out
 
 
 def _towers_numbered_after(model: nn.Module, blocks: list[AttentionBlock]) -> list[AttentionBlock]:

@@ -485,7 +485,7 @@ OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",)),
     **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], ("gate_proj",)),
     "neomme": ("output_projection.gate_proj",),
-    **dict.fromkeys(["inkling2_text", "inkling2"], ("o_proj.gate_proj",))}
+    **dict.fromkeys(["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"], ("o_proj.gate_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -637,26 +637,42 @@ QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
     # Muse Glimmer (MuseGlimmerTextAttention): AFMoE's, the output [batch, seq, heads * head_dim] times
     # sigmoid(gate_proj(hidden_states)), hidden -> heads x head_dim
     **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], afmoe_gate),
-    "neomme": neomme_gate, **dict.fromkeys(["inkling2_text", "inkling2"], inkling2_gate)}
+    "neomme": neomme_gate,
+    **dict.fromkeys(["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"], inkling2_gate)}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output
 only. Empty rows where a module has no gate (LFM3 without ``use_attention_gate``); a gate that discovery sees where
 the function gives no rows is refused (:func:`headlab.adapters.attention_blocks`)."""
 
-OUTPUT_GATES_REFUSED: dict[str, str] = {
-    **dict.fromkeys(
-        ["inkling2_loop_text", "inkling2_loop"],
-        "Inkling2-Loop runs its loop layers (loop_layer_index_start .. loop_layer_index_end) loop_num_passes times in "
-        "one forward, each pass at cache layers of its own (cache_offset) and reading messages of the previous pass "
-        "mixed in with gates (Inkling2LoopMessageGate): one attention module is then several attentions at several "
-        "depths, which headlab has not checked against its numbering of a shared module's runs (ALBERT's); "
-        "Inkling2 without loops (inkling2_text, inkling2) is analysed"),
-}
+OUTPUT_GATES_REFUSED: dict[str, str] = {}
 """Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
 
+def inkling2_loop_depths(config: Any) -> list[int] | None:
+    """The decoder layer (its index in ``layers``) run at each depth of Inkling2-Loop's forward, in order
+    (``Inkling2LoopTextModel.forward``, transformers 5.24): the layers before ``loop_layer_index_start``, then
+    ``loop_num_passes`` passes over the loop layers (``loop_layer_index_start`` .. ``loop_layer_index_end``), then the
+    rest; None where the config does not give them as ints."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = [getattr(text, name, None) for name in (
+        "loop_layer_index_start", "loop_layer_index_end", "loop_num_passes", "num_hidden_layers")]
+    numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(numbers) != len(values):
+        return None
+    start, end, passes, layers = numbers
+    return [*range(start), *list(range(start, end)) * passes, *range(end, layers)]
+
+
+LOOPED_LAYERS: dict[str, Callable[[Any], list[int] | None]] = dict.fromkeys(
+    ["inkling2_loop_text", "inkling2_loop"], inkling2_loop_depths)
+"""Model types whose forward runs some decoder layers several times (Inkling2-Loop's loop layers, each pass with
+messages of the previous one mixed into its input through gates, and its own cache layers): with the decoder layer
+run at each depth, in forward order. One attention module is then one block per depth it runs at (ALBERT's shared
+layers: ``AttentionBlock.application``), numbered by depth as transformers' ``output_attentions`` lists its calls;
+capture, masking and gates act on that call only. A module run at one depth stays one block, numbered by its depth."""
+
 PROBE_FAILURES: dict[str, str] = dict.fromkeys(
-    ["inkling2_text", "inkling2"],
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
     "Inkling2 keeps modules in float32 (its _keep_in_fp32_modules_strict: the routers' weights, the short "
     "convolutions, the block attention residuals' queries) and its forward mixes their float32 products with the "
     "other weights' dtype: a model converted whole (model.double()) fails there; load it in float64 with "
@@ -666,7 +682,7 @@ their forward fail as built), not guessed by the names of its projections (befor
 Inkling2QueryProjection")."""
 
 PRUNING_REFUSED: dict[str, str] = dict.fromkeys(
-    ["inkling2_text", "inkling2"],
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
     "besides the rows of its q, k, v, o and gate projections, each head owns a row of its query norm's scale "
     "(q_proj.norm.scale), a row of sink_proj, d_rel rows of "
     "relative_position_bias.linear and a row of its norm's scale, and each key/value head channels of the key and "
@@ -677,7 +693,7 @@ PRUNING_REFUSED: dict[str, str] = dict.fromkeys(
 of every block discovery finds in them): refused before any work."""
 
 LRP_REFUSED: dict[str, str] = dict.fromkeys(
-    ["inkling2_text", "inkling2"],
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
     "Inkling2's attention is analysed and masked, but LRP has no rule checked for two of its parts: its block attention "
     "residuals (attention_input, mlp_input, final_input: learned queries attending, at each position, over the "
     "states at earlier block boundaries, which mix the residual stream over depth with weights computed from it) "
