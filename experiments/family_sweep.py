@@ -67,6 +67,7 @@ import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
+from headlab.adapters.big_bird import block_sparse_probe
 from headlab.adapters.families import causal_on_token_ids, rows_per_head
 from headlab.importance.lrp import CONSERVATION_TOLERANCE, lrp_precision
 from headlab.language_model import analysed_model
@@ -116,6 +117,10 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
     # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded)
     "longt5": {"local_radius": 2},
+    "pegasus_x": {"block_size": 4, "num_global_tokens": 3},  # several blocks of the 7 tokens, staggered and not
+    # BigBird's block-sparse attention (its default; BigBird-Pegasus's encoder's): blocks of 2 tokens, one random
+    # block, so that inputs longer than (5 + 2 x 1) x 2 = 14 tokens run it (inputs_for gives 18: block_sparse_probe)
+    **{t: {"block_size": 2, "num_random_blocks": 1} for t in ("big_bird", "bigbird_pegasus")},
     **{t: {**MLA, "head_dim": 4} for t in ("deepseek_v3", "mistral4")},  # head_dim: the rotary part
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
@@ -510,7 +515,8 @@ def matrix_types() -> set[str]:
     # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
-    types |= {"mvp", "prophetnet", "pegasus_x"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"mvp", "prophetnet"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"pegasus_x"}  # tests/test_pegasus_x.py (session 40)
     types |= {"longt5"}  # tests/test_longt5.py (session 32)
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
@@ -604,11 +610,20 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     return model.to(dtype), ""
 
 
+def probe_length(model) -> tuple[int, int]:
+    """(length, right padding of row 1) of the probe inputs: 7 and 2; block-sparse BigBird's longer (on inputs up to
+    (5 + 2 r) x block_size tokens transformers runs full attention, and headlab refuses them), padded within its last
+    block (headlab refuses a sentence whose padding changes its blocks)."""
+    sparse = block_sparse_probe(model)
+    return (7, 2) if sparse is None else sparse[:2]
+
+
 def inputs_for(model) -> dict:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 99, (2, 7), generator=g)
+    length, pads = probe_length(model)
+    ids = torch.randint(3, 99, (2, length), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, -2:] = 0
+    mask[1, length - pads:] = 0
     inputs = {"input_ids": ids, "attention_mask": mask}
     if getattr(model.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = torch.randint(3, 99, (2, 5), generator=g)
@@ -648,6 +663,22 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         encoder = longt5_maps(out.encoder_attentions, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
+    if model.config.model_type == "pegasus_x":  # its encoder's blocks put in place, the global tokens' share left out
+        from support.pegasus_x import dense_maps as pegasus_x_maps
+
+        staggered = [layer.stagger_blocks_this_layer for layer in model.get_encoder().layers]
+        encoder = pegasus_x_maps(out.encoder_attentions, inputs["input_ids"].shape[1], model.config.block_size,
+                                 staggered, inputs.get("attention_mask"))
+        return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
+    if any(type(m).__name__.endswith("BlockSparseAttention") for m in model.modules()):  # BigBird's (BigBird-Pegasus's
+        # encoder's): its map worked out by hand (its dense output_attentions overwrites the random blocks' weights on
+        # the first block's keys)
+        from support.big_bird import dense_maps as big_bird_maps
+
+        if getattr(model.config, "is_encoder_decoder", False):
+            return {"enc_self": big_bird_maps(model, inputs), "dec_self": out.decoder_attentions,
+                    "dec_cross": out.cross_attentions}, set()
+        return {"any": big_bird_maps(model, inputs)}, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
                 "dec_cross": out.cross_attentions}, set()
@@ -971,7 +1002,7 @@ def check_lrp(model, blocks) -> str | None:
     head_out: list[torch.Tensor] = []  # the LM head's output: a cap in the config that the class never applies
     if isinstance(head := model.get_output_embeddings(), torch.nn.Module):
         handles.append(head.register_forward_hook(lambda module, args, output: head_out.append(output)))
-    ids = torch.randint(3, 99, (1, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 99, (1, probe_length(model)[0]), generator=torch.Generator().manual_seed(1))
     try:
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits

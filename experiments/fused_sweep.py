@@ -7,9 +7,11 @@ from the model's eager attention. experiments/family_sweep.py checks capture (th
 and tests/test_fused_statistics.py the fused engine on the test matrix only; this sweep checks, on every type the family
 sweep builds (its tiny builder, float64 where the model runs in it), that ``analyze_heads(engine="fused")`` writes
 what ``engine="eager"`` writes: a word-level tokenizer (every word one token: the fused word passes run) over the
-sample treebank, counts, offsets and decisions identical, floats within 1e-8 (relative 1e-6). Where they are not, the
-rule in :func:`_check` decides: the fused engine must equal headlab's chunked path exactly and eager's floats to 1e-4
-relative (most models' eager softmax runs in float32 whatever their dtype: its near ties round otherwise).
+sample treebank (block-sparse BigBird's and BigBird-Pegasus's: sentences of its words long enough for block-sparse
+attention, support.big_bird.long_treebank), counts, offsets and decisions identical, floats within 1e-8 (relative
+1e-6). Where they are not, the rule in :func:`_check` decides: the fused engine must equal headlab's chunked path
+exactly and eager's floats to 1e-4 relative (most models' eager softmax runs in float32 whatever their dtype: its near
+ties round otherwise).
 
 Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: the first file and value that differ);
 ``refused`` (the fused engine or the blocks refused it, with the reason); ``CRASH``; ``skipped`` (not built, or no
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import family_sweep as sweep  # noqa: E402 - beside this script
 
 from headlab import HeadlabError, attention_blocks  # noqa: E402
+from headlab.adapters.big_bird import block_sparse_probe  # noqa: E402
 from headlab.data.frequencies import TokenFrequencies  # noqa: E402
 from headlab.functions import AnalysisConfig, analyze_heads  # noqa: E402
 
@@ -120,6 +123,11 @@ def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
         from support.treebank import SAMPLE_CONLLU
 
         path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+        if (sparse := block_sparse_probe(model)) is not None:  # block-sparse BigBird refuses the sample's short
+            # sentences (transformers would swap its attention for full attention): sentences of its probe's length
+            from support.big_bird import long_treebank
+
+            long_treebank(path, words=sparse[0] - 2)
         try:
             eager = _analyse(model, tokenizer, path, "eager")
         except Exception as error:  # noqa: BLE001 - the reference itself does not run: not this check's finding

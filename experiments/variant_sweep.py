@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_sweep as fs  # noqa: E402
 
 WORDS = ("attn", "attention", "qk", "bias", "norm", "gate", "window", "rope", "rotary", "sink", "scale", "parallel",
-         "cap", "clip", "tie")
+         "cap", "clip", "tie", "stagger")  # stagger: PEGASUS-X's local blocks shifted by half a block every other layer
 # booleans that name what a forward returns or caches, not what it computes
 NOT_ATTENTION = {"output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "use_cache",
                  "torchscript", "is_encoder_decoder"}

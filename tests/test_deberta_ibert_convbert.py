@@ -152,22 +152,7 @@ def test_deberta_analyze_end_to_end(tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-# -- ConvBERT: refused before any work, naming what is missing (I-BERT: tests/test_squeezebert_ibert.py) -----------
-def _convbert() -> torch.nn.Module:
-    return perturbed_model(tf.ConvBertForMaskedLM, tf.ConvBertConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        embedding_size=32, max_position_embeddings=64, pad_token_id=2), attn_implementation="eager")
-
-
-def test_convbert_refused_before_any_work():
-    model = _convbert()
-    message = r"ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads"
-    before = {name: p.clone() for name, p in model.named_parameters()}
-    for action in (lambda: attention_blocks(model), lambda: mask_heads(model, {("enc_self", 0): [1]}).__enter__(),
-                   lambda: prune_heads(model, {("enc_self", 0): [1]})):
-        with pytest.raises(HeadlabError, match=message):
-            action()
-    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+# -- ConvBERT: analysed, masked and gated since session 40, its pruning and LRP refused: tests/test_convbert.py -------
 
 
 def _deberta_v2(cls=tf.DebertaV2ForMaskedLM, **extra) -> torch.nn.Module:

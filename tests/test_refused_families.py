@@ -2,11 +2,13 @@
 (issue 31). The survey (benchmarks/survey_families.py, docs/benchmarks.md) found them accepted by the
 name-based discovery, then failing at run time (no [batch, heads, q, k] probabilities in their
 attention's output), and BigBird-Pegasus analysed on its decoder only, its encoder's attention
-silently missing. The family sweep of session 22 (experiments/family_sweep.py) added FSMT (capture
-crashed: no probabilities without output_attentions) and BigBird in its default block-sparse
-attention (its probe pass swapped the attention modules, and capture then recorded nothing); BigBird
-with full attention stays supported. Tiny models built from their configs; a type the installed
-transformers lacks or cannot build is skipped.
+silently missing (refused here until session 40, a table entry since: tests/test_big_bird_sparse.py).
+The family sweep of session 22 (experiments/family_sweep.py) added FSMT (capture crashed: no
+probabilities without output_attentions) and BigBird in its default block-sparse attention (its probe
+pass swapped the attention modules, and capture then recorded nothing; since session 40 a table entry,
+tests/test_big_bird_sparse.py, refused here as a decoder only); BigBird with full attention stays
+supported. Tiny models built from their configs; a type the installed transformers lacks or cannot
+build is skipped.
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ _EXTRA = {
     "xlm": dict(emb_dim=32, n_layers=2, n_heads=4),
     "luke": dict(entity_vocab_size=20, entity_emb_size=8),
     "trocr": dict(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37),
-    "bigbird_pegasus": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                            decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
-                            attention_type="original_full"),
-    "big_bird": dict(attention_type="block_sparse"),  # its config's default
+    # its config's default attention, in a decoder (block-sparse encoders: tests/test_big_bird_sparse.py)
+    "big_bird": dict(attention_type="block_sparse", is_decoder=True),
     # the family sweep (skip27A): Funnel's layer count is its block sizes' sum (num_hidden_layers refuses a value)
     "funnel": dict(num_hidden_layers=None, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8,
                    d_inner=37),
@@ -48,7 +48,7 @@ _EXTRA = {
 # stream a table entry since session 32: tests/test_xlnet.py)
 REFUSED = {"nystromformer": "output_attentions",
            "mra": "multi-resolution", "yoso": "hashing",
-           "bigbird_pegasus": "encoder", "big_bird": "block-sparse",
+           "big_bird": "as a decoder",
            "funnel": "output_attentions", "blt": "four stacks",
            # session 32: before, refused as attention run twice (DiffLlama, HRM-Text) and naming a getitem (JetMoE)
            "diffllama": "1 - lambda", "jetmoe": "mixture of attention heads", "hrm_text": "recurrent within one",
@@ -88,7 +88,8 @@ def test_heads_refuses_once_before_any_work(model_type, tmp_path, capsys):
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("model_type", ["nystromformer", "bigbird_pegasus"])  # (tapas: a table entry since session 30)
+# (tapas: a table entry since session 30; bigbird_pegasus since session 40)
+@pytest.mark.parametrize("model_type", ["nystromformer"])
 def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     from support.treebank import word_tokenizer
 
@@ -159,12 +160,13 @@ def test_big_bird_with_full_attention_is_analysed():
 
 
 def test_a_forward_that_replaces_modules_is_refused_and_undone(monkeypatch):
-    """Without its config refusal, block-sparse BigBird swaps its attention modules for full ones in the
-    probe pass (inputs too short for block-sparse): refused, naming the module, the modules put back."""
+    """Without its table entry (session 40: its guard refuses short inputs before the forward), block-sparse BigBird
+    swaps its attention modules for full ones in the probe pass (inputs too short for block-sparse): refused, naming
+    the module, the modules put back."""
     from headlab.adapters import families
 
-    monkeypatch.delitem(families.UNSUPPORTED_CONFIGS, "big_bird")
-    model = _tiny("big_bird")
+    monkeypatch.delitem(families.CONFIG_FAMILIES, "big_bird")
+    model = _tiny_config("big_bird", attention_type="block_sparse")
     before = list(model.modules())
     with pytest.raises(HeadlabError, match=r"replaced modules of the model during the probe pass "
                                            r"\(.*layer.0.attention.self: BigBirdBlockSparseAttention -> "

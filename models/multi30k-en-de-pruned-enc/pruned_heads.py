@@ -126,7 +126,10 @@ def output_bias_name(module: nn.Module) -> str | None:
     return OUTPUT_BIASES.get(qualified) or (own if isinstance(own, str) else None)
 
 
-SECOND_STREAMS = {"transformers.models.luke.modeling_luke.LukeSelfAttention": "entity_hidden_states"}
+SECOND_STREAMS = {"transformers.models.luke.modeling_luke.LukeSelfAttention": "entity_hidden_states",
+                  # (tokens' output, global tokens' output, probabilities): both through out_proj
+                  "transformers.models.pegasus_x.modeling_pegasus_x.PegasusXGlobalLocalAttention":
+                      "global_hidden_states"}
 """Attention classes that attend over two streams of hidden states, the second (by the argument named here) after the
 first, and return the second's heads' outputs second (LUKE's entities: None where it gets none; its caller
 concatenates the two before its output projection): a layer of theirs with no head left returns an empty output for
@@ -323,11 +326,47 @@ def _longformer_forward(self, hidden_states, attention_mask=None, is_index_maske
     return outputs + (global_attn_probs,) if (is_global_attn and output_attentions) else outputs
 
 
+def _pegasus_x_forward(self, token_hidden_states, global_hidden_states, attention_mask=None, **kwargs):
+    """PEGASUS-X's ``PegasusXGlobalLocalAttention.forward`` (transformers 5.24, modeling_pegasus_x) line for line, but
+    that it merges ``num_heads * head_dim`` (the kept heads) where the original views the heads' outputs at the input's
+    width, which a pruned layer's heads no longer fill. Its helpers read the head count and size from ``dim``."""
+    import importlib
+
+    modeling = importlib.import_module(type(self).__module__)  # DimensionInfo
+    width = self.num_heads * self.head_dim
+    dim = modeling.DimensionInfo(
+        batch_size=token_hidden_states.shape[0], seq_len=token_hidden_states.shape[1], block_size=self.block_size,
+        num_heads=self.num_heads, hidden_dim=width, dim_per_head=self.head_dim,
+        num_blocks=token_hidden_states.shape[1] // self.block_size, global_len=global_hidden_states.shape[1],
+        padded_seq_len=token_hidden_states.shape[1])
+    local_q = self._shape(self.q_proj(token_hidden_states) * self.scaling, seq_len=dim.padded_seq_len,
+                          bsz=dim.batch_size)
+    local_k = self._shape(self.k_proj(token_hidden_states), seq_len=dim.padded_seq_len, bsz=dim.batch_size)
+    local_v = self._shape(self.v_proj(token_hidden_states), seq_len=dim.padded_seq_len, bsz=dim.batch_size)
+    global_q = self._shape(self.q_proj(global_hidden_states) * self.scaling, seq_len=dim.global_len,
+                           bsz=dim.batch_size)
+    global_k = self._shape(self.k_proj(global_hidden_states), seq_len=dim.global_len, bsz=dim.batch_size)
+    global_v = self._shape(self.v_proj(global_hidden_states), seq_len=dim.global_len, bsz=dim.batch_size)
+    global_attn_output, global_attn_probs = self.compute_global_attention_representations(
+        global_q=global_q, global_k=global_k, global_v=global_v, local_k=local_k, local_v=local_v,
+        mask=attention_mask, dim=dim)
+    local_attn_output, local_attn_probs = self.compute_local_attention_representations(
+        global_k=global_k, global_v=global_v, local_q=local_q, local_k=local_k, local_v=local_v,
+        mask=attention_mask, dim=dim)
+    global_attn_output = global_attn_output.transpose(1, 2).contiguous().view(dim.batch_size, dim.global_len, width)
+    global_attn_output = self.out_proj(global_attn_output)
+    local_attn_output = local_attn_output.permute(0, 2, 3, 1, 4).contiguous()
+    local_attn_output = local_attn_output.view(dim.batch_size, dim.padded_seq_len, width)
+    local_attn_output = self.out_proj(local_attn_output)
+    return local_attn_output, global_attn_output, {"global": global_attn_probs, "local": local_attn_probs}
+
+
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
-                   "longformer": _longformer_forward, "mvp": _mvp_forward}
+                   "longformer": _longformer_forward, "mvp": _mvp_forward,
+                   "pegasus-x": _pegasus_x_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
-TrOCR's, LED's decoder's, Longformer's and MVP's merge the heads into the hidden states' width): the plan's ``classes`` name
-one per layer (:func:`pruned_class`)."""
+TrOCR's, LED's decoder's, Longformer's, MVP's and PEGASUS-X's encoder's merge the heads into the hidden states'
+width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

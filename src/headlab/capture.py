@@ -730,28 +730,41 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     family's, ``[pos, batch, ...]``, transposed to it and back: ``Family.time_first``; a channels-first family's,
     ``[batch, heads x d, seq]``, likewise: ``Family.channels_first``);
     ``fn`` returns a tensor of the same shape. Works whatever attention implementation runs,
-    since the concatenated head outputs always enter the output projection. Blocks pruned to
-    zero heads are left alone. A block of a shared module (ALBERT) acts at its own depth only.
+    since the concatenated head outputs always enter the output projection. Columns after the
+    heads' (``AttentionBlock.columns_after``: ConvBERT's convolution heads) are passed through
+    untouched, never shown to ``fn``. Blocks pruned to zero heads are left alone. A block of a
+    shared module (ALBERT) acts at its own depth only.
     Call ``remove()`` on the result to take the hooks off.
     """
     handles = HookHandles()
     applications = Applications([])
+
+    def rewrite(block: AttentionBlock, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x``, the heads' outputs as the output projection reads them, rewritten by ``fn``."""
+        if block.family.channels_first:  # SqueezeBERT's [batch, heads x d, seq]: fn sees (and returns) [b, s, h, d]
+            heads = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], block.n_heads, block.d_head)
+            return fn(block, heads).reshape(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
+        if grouped(module):  # DeepSeek-V4's o_a_proj: [batch, pos, groups, heads / groups x d], heads in order
+            heads = x.reshape(*x.shape[:-2], block.n_heads, block.d_head)
+            return fn(block, heads).reshape(x.shape)
+        heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
+        if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
+            return fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape)
+        return fn(block, heads).reshape(x.shape)
 
     def make_hook(block: AttentionBlock) -> Callable[..., tuple | None]:
         def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
             if block.n_heads == 0 or not applications.runs(block):  # a shared module at another depth
                 return None
             x = args[0]
-            if block.family.channels_first:  # SqueezeBERT's [batch, heads x d, seq]: fn sees (and returns) [b, s, h, d]
-                heads = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], block.n_heads, block.d_head)
-                return (fn(block, heads).reshape(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2), *args[1:])
-            if grouped(module):  # DeepSeek-V4's o_a_proj: [batch, pos, groups, heads / groups x d], heads in order
-                heads = x.reshape(*x.shape[:-2], block.n_heads, block.d_head)
-                return (fn(block, heads).reshape(x.shape), *args[1:])
-            heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
-            if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
-                return (fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape), *args[1:])
-            return (fn(block, heads).reshape(x.shape), *args[1:])
+            if block.columns_after:  # ConvBERT's [attention heads | convolution heads]: only the former are heads
+                width = block.n_heads * block.d_head
+                if x.shape[-1] != width + block.columns_after:
+                    raise HeadlabError(f"{block.name}: its output projection reads {x.shape[-1]} columns, not the "
+                                       f"{width} of its {block.n_heads} heads and the {block.columns_after} after them")
+                rewritten = rewrite(block, module, x[..., :width].contiguous())
+                return (torch.cat([rewritten, x[..., width:]], dim=-1), *args[1:])
+            return (rewrite(block, module, x), *args[1:])
 
         return pre_hook
 

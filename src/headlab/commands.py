@@ -49,7 +49,10 @@ def heads_table(blocks) -> str:
     for b in blocks:
         shared = f" (shared: its call {b.application + 1} of {b.applications})" if b.shared else ""
         qk = f" (query/key heads of {b.d_qk})" if b.d_qk != b.d_head else ""  # d_head: the value heads' size
-        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{qk}{shared}")
+        # ConvBERT's convolution heads: read by the output projection after the heads, not heads headlab measures
+        after = f" (then {b.columns_after} columns that are not its heads')" if b.columns_after else ""
+        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{qk}{after}"
+                     f"{shared}")
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
     lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items())
                  + f"; {counted(sum(totals.values()), 'head')}")

@@ -105,7 +105,12 @@ class HeadGates(nn.Module):
         """``heads`` [batch, pos, n_heads, d_head] times the gates of ``block``."""
         if block.key not in self.n_heads:
             return heads
-        g = self.gate(block.key).to(device=heads.device, dtype=heads.dtype)
+        return self.scaled(heads, self.gate(block.key))
+
+    @staticmethod
+    def scaled(heads: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``heads`` [batch, pos, n_heads, d_head] times ``gate`` ([n_heads] or [batch, n_heads])."""
+        g = gate.to(device=heads.device, dtype=heads.dtype)
         if g.dim() == 1:
             return heads * g[:, None]  # [n_heads, 1] broadcasts over batch, pos, d_head
         return heads * g[:, None, :, None]  # [batch, 1, n_heads, 1]
@@ -170,6 +175,9 @@ class _GateStack:
         self.sets: dict[str, HeadGates] = {}  # attribute name on the model -> gate module
         self.hooks: dict[BlockKey, HookHandles] = {}
         self.pass_hooks: list[Any] = []  # the model's forward pre-hook and hook: new_pass and end_pass of every set
+        # the gates drawn in the call under way of an attention that runs its output projection more than once per call
+        # (Family.output_calls: PEGASUS-X's encoder, its global tokens' heads and its tokens'), by block and set
+        self.drawn: dict[BlockKey, dict[str, torch.Tensor]] = {}
 
     def new_pass(self, module: nn.Module, args: tuple) -> None:
         for gates in self.sets.values():
@@ -180,19 +188,35 @@ class _GateStack:
             gates.end_pass(output)
 
     def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
-        for gates in self.sets.values():
-            heads = gates.gate_heads(block, heads)
+        drawn = self.drawn.get(block.key)
+        for name, gates in self.sets.items():
+            if drawn is not None and gates.keeps_pass and block.key in gates.n_heads:
+                # a stochastic gate draws once per call of the attention: its outputs for every stream take one sample
+                if name not in drawn:
+                    drawn[name] = gates.gate(block.key)
+                heads = gates.scaled(heads, drawn[name])
+            else:
+                heads = gates.gate_heads(block, heads)
         return heads
+
+    def _new_call(self, key: BlockKey) -> Any:
+        def pre_hook(module: nn.Module, args: tuple) -> None:
+            self.drawn[key] = {}
+
+        return pre_hook
 
     def hook(self, blocks: list[AttentionBlock]) -> None:
         for block in blocks:
             if block.key not in self.hooks:
                 self.hooks[block.key] = register_head_output_hooks([block], self.gate_heads)
+                if block.family.output_calls > 1 and block.n_heads:
+                    self.hooks[block.key].append(block.core.register_forward_pre_hook(self._new_call(block.key)))
 
     def unhook(self) -> None:
         for handles in self.hooks.values():
             handles.remove()
         self.hooks.clear()
+        self.drawn.clear()
         for hook in self.pass_hooks:
             hook.remove()
         self.pass_hooks.clear()

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks, config_value
+from headlab.adapters.big_bird import block_sparse_probe
 from headlab.errors import HeadlabError
 
 __all__ = ["Trace", "Mismatch", "probe_inputs", "first_probe", "run_probe", "run_floored", "first_mismatch", "tolerance",
@@ -153,11 +154,13 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
         return torch.randint(low, vocab, shape, generator=g).to(device)
 
     rows = ROWS if padded else 1
-    mask = torch.ones(rows, LENGTH, dtype=torch.long)
+    # block-sparse BigBird refuses short rows and padding that changes a row's blocks (headlab.adapters.big_bird)
+    length, pads, left = block_sparse_probe(model) or (LENGTH, PADS, PADS)
+    mask = torch.ones(rows, length, dtype=torch.long)
     if padded:
-        mask[1, -PADS:] = 0  # padded on the right
-        mask[2, :PADS] = 0  # padded on the left
-    input_ids = ids(rows, LENGTH)
+        mask[1, length - pads:] = 0  # padded on the right
+        mask[2, :left] = 0  # padded on the left
+    input_ids = ids(rows, length)
     pad = config_value(config, "pad_token_id")  # a wrapper's is its text config's
     if isinstance(pad, int) and 0 <= pad < vocab:
         input_ids = input_ids.masked_fill(mask.to(device) == 0, pad)

@@ -1499,9 +1499,11 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
-    refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__) \
-        if block.qkv is None and block.q is None else None
-    if refused and block.n_heads:  # a layout read and not sliced (Zaya's; Zamba 2's adapters laid out otherwise)
+    untied = block.qkv is None and block.q is None
+    # a layout read and not sliced (Zaya's; Zamba 2's adapters laid out otherwise; ConvBERT's query heads feeding its
+    # convolution heads, whatever its projections)
+    refused = block.family.refused or (FUSED_REFUSED.get(type(block.core).__name__) if untied else None)
+    if refused and block.n_heads:
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {refused}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied

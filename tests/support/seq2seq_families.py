@@ -1,6 +1,6 @@
 """The checks the encoder-decoder table-family test files share: families whose attention computes its own softmax
 outside transformers' attention interface (BART's old attention and its kin), each with an adapter-table entry and a
-pruned forward of its own (tests/test_fsmt_trocr.py, test_mvp_prophetnet_pegasus_x.py, test_led.py).
+pruned forward of its own (tests/test_fsmt_trocr.py, test_mvp_prophetnet_pegasus_x.py, test_led.py, test_pegasus_x.py).
 
 Every check works on a tiny model of tests/support/models.py (2 + 2 layers, 4 heads of 8, float64) and on a padded
 batch with target prefixes: :func:`seq2seq_inputs`, or the family's own (LED's global tokens); a family's own

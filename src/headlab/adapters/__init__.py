@@ -111,6 +111,9 @@ class AttentionBlock:
     d_qk: int = 0
     """Size of a head's queries and keys, the query and key rows pruning slices: ``d_head`` unless the model's
     query/key heads are wider than its value heads (MiMo-V2-Flash: 192 and 128). 0 given: ``d_head``."""
+    columns_after: int = 0
+    """Columns of the output projection's input after the heads' ``n_heads * d_head`` (``Family.columns_after_heads``:
+    ConvBERT's convolution heads' outputs), which the per-head hooks pass through untouched; 0 elsewhere."""
 
     def __post_init__(self) -> None:
         if not self.d_qk:
@@ -852,6 +855,7 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
                            "directory with headlab.load_pruned(path) (or headlab.loading.load_model) to analyse it")
     if not isinstance(d_head, int) or d_head <= 0:
         raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
+    after = _columns_after(where, core, family)
     qkv: nn.Module | None
     if family.qkv:
         qkv, q_width, kv_width = _fused_widths(where, module, core, family, o, d_head)
@@ -860,7 +864,7 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             _check_head_rows(where, module, core, family, q_width // d_head)
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None
-        q_width, kv_width = in_features(o), family.kv_heads * d_head
+        q_width, kv_width = in_features(o) - after, family.kv_heads * d_head
         if family.head_rows and not family.shared_kv:  # latent attention: each head its own key and value (the
             kv_width = q_width  # probe's count may be stale)
         elif family.shared_kv and not q_width:  # a layer pruned to no head (its stand-in): no key/value head read
@@ -897,11 +901,12 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
                                f"{where}: key width {kv_width} differs from value width {out_features(v)}")
         if family.head_rows and q_width % d_head == 0:  # an output gate's rows (QKV_OUTPUT_GATES)
             _check_head_rows(where, module, core, family, q_width // d_head)
-    o_width = in_features(o)
+    o_width = in_features(o) - after
     if q_width % d_head or kv_width % d_head or o_width != q_width:
+        beyond = f" + {after} columns after the heads ({family.columns_after_heads})" if after else ""
         raise HeadlabError(
             f"{where}: projection widths do not split into heads of size {d_head} "
-            f"(q {q_width}, k/v {kv_width}, output input {o_width})"
+            f"(q {q_width}, k/v {kv_width}, output input {o_width}{beyond})"
         )
     n_heads, n_kv_heads = q_width // d_head, kv_width // d_head
     _check_head_vectors(where, module, family, n_heads)
@@ -917,7 +922,19 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         if groups is not None and groups != n_heads // n_kv_heads:
             raise HeadlabError(f"{where}: {family.kv_groups_attr}={groups} but weights give {n_heads}/{n_kv_heads}")
     return AttentionBlock(kind, layer, n_heads, n_kv_heads, d_head, name, module, core, q, k, v, o, qkv, family,
-                          d_qk=family.d_qk or d_head)
+                          d_qk=family.d_qk or d_head, columns_after=after)
+
+
+def _columns_after(where: str, core: nn.Module, family: Family) -> int:
+    """How many columns of the output projection's input follow the heads' (``Family.columns_after_heads``), read
+    off ``core``; 0 where the family has none."""
+    if not family.columns_after_heads:
+        return 0
+    value = getattr(core, family.columns_after_heads, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HeadlabError(f"{where}: no width {family.columns_after_heads!r} of the output projection's columns "
+                           "after the heads' (the family's columns_after_heads)")
+    return value
 
 
 def _selection_argument(core: nn.Module) -> str | None:

@@ -169,8 +169,9 @@ class Family:
     shapes (pruned_heads.py resizes them: ``plan["parameters"]``)."""
     install: Callable[[Any], None] | None = None
     """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
-    :func:`headlab.adapters.xlnet.install_points`): called by :func:`headlab.adapters.attention_blocks`, it changes
-    nothing the model computes."""
+    :func:`headlab.adapters.xlnet.install_points`), or a forward that refuses inputs the entry cannot read exactly
+    before they run (block-sparse BigBird's, :func:`headlab.adapters.big_bird.install_guard`): called by
+    :func:`headlab.adapters.attention_blocks`, it changes nothing the model computes."""
     shared_bias: str = ""
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
@@ -206,13 +207,29 @@ class Family:
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
     prune_refused: str = ""
     """Why physical pruning refuses this block where LRP may not ('' elsewhere: Inkling2's, :data:`PRUNING_REFUSED`)."""
+    output_calls: int = 1
+    """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
+    global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
+    scales every run with that sample (:mod:`headlab.gates`), so a head is on or off for all of them; LRP sums a
+    head's relevance over the runs (:func:`headlab.importance.lrp.head_relevance`)."""
     lrp_refused: str = ""
     """Why LRP refuses this block where physical pruning does not ('' where it does not: DeepSeek-V4's, refused until
     session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`); ``refused`` refuses both."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
-    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
-    "layout unknown"."""
+    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise, or where a table entry says why (ConvBERT's:
+    its query heads feed its convolution heads); '' elsewhere: said instead of "layout unknown"."""
+    columns_after_heads: str = ""
+    """Attribute of ``core`` holding how many columns the output projection's input has after the heads' ``n_heads x
+    d_head`` (ConvBERT's ``all_head_size``: its span-based dynamic convolution heads' outputs, concatenated after the
+    attention heads'); '' where it has none. headlab's per-head hooks (masks, gates, gradient importance, ablation) pass
+    them through untouched (:func:`headlab.capture.register_head_output_hooks`); physical pruning and LRP, whose
+    slicing and rules know the heads' columns only, must be refused (``refused``: checked when the entry is made)."""
+
+    def __post_init__(self) -> None:
+        if self.columns_after_heads and (not self.refused or self.channels_first):
+            raise ValueError(f"family {self.name!r}: columns after the heads ({self.columns_after_heads}) need a reason "
+                             "physical pruning and LRP are refused (refused), and heads' outputs on the last axis")
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -1214,6 +1231,38 @@ LONGFORMER = Family(
 )
 
 
+# ConvBERT (ConvBertForMaskedLM, transformers 5.24, models/convbert): encoder.layer.N.attention, BERT's names
+# (self.query/key/value, output.dense), outside the attention interface. ConvBertSelfAttention has num_attention_heads
+# // head_ratio softmax heads (1 where that is 0) of attention_head_size = (hidden_size / heads) // 2: query/key/value
+# viewed [.., heads, d], softmax(q k^T / sqrt(d) + mask), returning (context, probs) always (its mask bidirectional
+# whatever is_decoder says: create_bidirectional_mask). Beside them as many span-based dynamic convolution heads: kernels
+# softmax(conv_kernel_layer(query(x) * key_conv_attn_layer(x))) (every attention head's query rows, all heads'
+# channels), applied to conv_out_layer(x) over conv_kernel_size positions. output.dense reads [attention heads' outputs
+# (heads x d) | convolution heads' outputs (all_head_size)]: masking and gating act on a head's columns among the
+# first heads x d (what transformers' old head_mask did: it multiplied attention_probs), the convolution heads' columns
+# passed through untouched. ConvBertModel never passes encoder states: a decoder's crossattention is never fed. Its
+# convolutions have no padding mask: in a padded batch a row's edge tokens read the padding's states (where the row
+# alone reads zeros), so from layer 1 on a sentence's maps depend on its batch, as the model computes them (the docs
+# say so; tests/test_convbert.py pins it).
+CONVBERT = Family(
+    name="convbert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)encoder\.layer\.(\d+)\.crossattention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    columns_after_heads="all_head_size",
+    refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
+            "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by the "
+            "attention head count), so removing a head would change the convolution heads, whose outputs output.dense "
+            "reads after the attention heads'",
+    lrp_refused="ConvBERT's span-based dynamic convolution heads (kernels softmax(conv_kernel_layer(query(x) * "
+                "key_conv_attn_layer(x))) applied to conv_out_layer(x) over conv_kernel_size positions) have no LRP "
+                "rule, and their outputs enter output.dense beside the attention heads'",
+)
+
+
 # LED (LEDForConditionalGeneration, transformers 5.24, models/led): two layouts. The encoder's layers.N.self_attn is
 # LEDEncoderAttention, Longformer's attention (longformer_self_attn: LEDEncoderSelfAttention, a copy of
 # LongformerSelfAttention, with query/key/value and their _global twins, called on [seq, batch, d]) and its output
@@ -1417,6 +1466,68 @@ def bert_like(config: Any) -> Family:
     return BERT_LIKE_DECODER if getattr(config, "is_decoder", False) else BERT_LIKE
 
 
+# BigBird with block-sparse attention (BigBirdForMaskedLM and the other heads, transformers 5.24, models/big_bird):
+# encoder.layer.N.attention, BERT's layout (self.query/key/value, output.dense), outside the attention interface:
+# BigBirdBlockSparseAttention returns (context, dense map) always, the map as transformers builds it not the weights
+# its forward applied (headlab.adapters.big_bird.sparse_probs reads them). BigBirdModel pads the tokens to a multiple
+# of block_size first; its forward would swap the attention modules for full ones on short inputs, which the guard
+# installed on it refuses before the forward runs (headlab.adapters.big_bird). The forward views the projections as
+# [.., num_attention_heads, attention_head_size] and merges them back by -1: a pruned layer runs it as it is.
+# With attention_type='original_full' BigBird is found by run-time discovery (its BigBirdSelfAttention, BERT's).
+def _install_big_bird_guard(model: Any) -> None:
+    from headlab.adapters.big_bird import install_guard
+
+    install_guard(model)
+
+
+def _big_bird_sparse_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    from headlab.adapters.big_bird import sparse_probs
+
+    return sparse_probs(core, args, kwargs, output)
+
+
+BIG_BIRD_SPARSE = Family(
+    name="big_bird-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_reader=_big_bird_sparse_probs,
+    padded_by="BigBirdModel",
+    install=_install_big_bird_guard,
+)
+
+
+# BigBird-Pegasus (BigBirdPegasusForConditionalGeneration, transformers 5.24, models/bigbird_pegasus): its encoder's
+# layers.N.self_attn is BigBirdPegasusEncoderAttention, BigBird's attention (self: BigBirdPegasusBlockSparseAttention, a
+# copy of BigBird's, or BigBirdPegasusSelfAttention with attention_type='original_full', which returns (context,
+# probabilities) always too) and its output projection ``output``; BigBirdPegasusEncoder pads and switches as
+# BigBirdModel does (the same guard). Its decoder's self_attn and encoder_attn are BART's (q_proj/k_proj/v_proj/
+# out_proj through the attention interface). BigBirdPegasusForCausalLM holds the decoder only.
+_BIGBIRD_PEGASUS_DECODER = replace(
+    BART_LIKE, name="bigbird_pegasus-decoder",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$")))
+BIGBIRD_PEGASUS = replace(
+    BIG_BIRD_SPARSE, name="bigbird_pegasus-block-sparse",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),), o="output",
+    padded_by="BigBirdPegasusEncoder", parts=(_BIGBIRD_PEGASUS_DECODER,))
+BIGBIRD_PEGASUS_FULL = replace(BIGBIRD_PEGASUS, name="bigbird_pegasus-full", probs_reader=None, padded_by="",
+                               install=None)
+
+
+def bigbird_pegasus(config: Any) -> Family:
+    """BigBird-Pegasus's entry: its encoder block-sparse (its config's default) or full."""
+    return BIGBIRD_PEGASUS if getattr(config, "attention_type", "original_full") == "block_sparse" \
+        else BIGBIRD_PEGASUS_FULL
+
+
+def big_bird(config: Any) -> Family | None:
+    """Block-sparse BigBird's entry; None (run-time discovery) with full attention."""
+    return BIG_BIRD_SPARSE if getattr(config, "attention_type", "original_full") == "block_sparse" else None
+
+
 def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
@@ -1499,6 +1610,81 @@ DEEPSEEK_V4 = Family(
     head_count_attrs=("num_heads",), kv_groups_attr="num_key_value_groups", output_after="o_b_proj")
 
 
+def pegasus_x_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """PEGASUS-X's encoder map over the tokens from ``PegasusXGlobalLocalAttention``'s output (transformers 5.24, its
+    forward read): ``output[2]["local"]`` is ``[batch, heads, blocks, block_size, num_global_tokens + block_size]``, the
+    softmax of each token over [the learned global tokens | its own block's tokens]. The tokens it was called on are
+    the encoder's, padded to a multiple of block_size (cut back by ``Family.padded_by``), and in a staggered layer
+    (``stagger_blocks_this_layer``) with block_size / 2 masked slots more before and after them, which shift every
+    token's block by half a block: ``core.headlab_stagger`` (set by :func:`_pegasus_x_marks`) says by how many slots.
+    Token ``q``'s row holds its probabilities over the tokens of its block (``(q + stagger) // block_size``), zeros
+    outside it (not one of its keys); what the row lacks to one is its mass on the global tokens, left out as a sink's
+    share is. A masked key has probability exactly 0 (a finfo.min score beside the global tokens' unmasked ones). The
+    global tokens' own rows (``output[2]["global"]``, over [global | every token]) are not rows of input tokens: left
+    out."""
+    import torch
+
+    from headlab.errors import HeadlabError
+
+    probs = output[2]["local"] if isinstance(output, tuple) and len(output) > 2 and isinstance(output[2], dict) \
+        else None
+    offset = getattr(core, "headlab_stagger", None)
+    if probs is None or not isinstance(offset, int):
+        raise HeadlabError(f"{type(core).__name__}: returned no local probabilities, or its layer's staggering is "
+                           "unknown (headlab.adapters.attention_blocks marks it)")
+    batch, heads, blocks, size, width = probs.shape
+    n = blocks * size - 2 * offset  # the encoder's tokens, padded to a multiple of block_size
+    positions = torch.arange(n, device=probs.device) + offset  # where each token sits in the layer's padded input
+    rows = probs.reshape(batch, heads, blocks * size, width)[:, :, positions]
+    columns = (width - size + positions % size).expand(batch, heads, n, n)  # key k's column in its own block
+    same = (positions // size)[:, None] == (positions // size)[None, :]
+    return torch.where(same, rows.gather(-1, columns), torch.zeros((), dtype=probs.dtype, device=probs.device))
+
+
+def _pegasus_x_marks(model: Any) -> None:
+    """Marks each encoder attention of PEGASUS-X with how many slots its layer pads its input with before the first
+    token (``block_size // 2`` where the layer staggers its blocks, else 0), which :func:`pegasus_x_probs` reads: an
+    attribute the forward never reads."""
+    for module in model.modules():
+        if type(module).__name__ == "PegasusXEncoderLayer":
+            module.self_attn.headlab_stagger = module.block_size // 2 if module.stagger_blocks_this_layer else 0
+
+
+# PEGASUS-X (PegasusXForConditionalGeneration, google/pegasus-x-*, transformers 5.24, models/pegasus_x; session 40,
+# branch pegx): the decoder's self_attn and encoder_attn are PegasusXAttention, BART's layout through the attention
+# interface (a part). The encoder's layers.N.self_attn is PegasusXGlobalLocalAttention, outside the interface, bias-free
+# q_proj/k_proj/v_proj/out_proj viewed [.., num_heads, head_dim]: the tokens (padded to a multiple of block_size by the
+# encoder, and by block_size / 2 more each side in every other layer) attend per block over [num_global_tokens
+# learned global tokens | their block]; the global tokens (embed_global, their own states from layer to layer) over
+# [global | every token], through the same projections. It always returns (tokens' output, global tokens' output,
+# {"global": .., "local": ..}): out_proj runs twice, on the global tokens' heads first, then on the tokens'. Masking a
+# head at out_proj's input therefore removes it from both, as pruning does. Its forward merges the heads to the
+# input's width: a pruned layer takes PRUNED_FORWARDS["pegasus-x"]; one with no head left returns out_proj's (absent)
+# bias for the tokens and for the global tokens (portable_code.SECOND_STREAMS). LRP holds q and k constant (both
+# streams' scores), sums a head's relevance over both runs of out_proj (output_calls) and keeps what reaches the global
+# tokens' embedding as a bias's (LEARNED_TOKENS).
+LEARNED_TOKENS: dict[str, str] = {"PegasusXEncoder": "embed_global"}
+"""Modules (by class) whose child embedding gives learned tokens that are not input tokens but run through the layers
+beside them (PEGASUS-X's encoder: ``embed_global``, its global tokens): LRP counts the relevance that reaches them as
+a bias's (a constant of the model), so that conservation holds (:mod:`headlab.importance.lrp`)."""
+
+PEGASUS_X_DECODER = replace(BART_LIKE, name="pegasus-x-decoder", patterns=BART_LIKE.patterns[1:])
+PEGASUS_X = Family(
+    name="pegasus-x",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_index=2,
+    probs_reader=pegasus_x_probs,
+    padded_by="PegasusXEncoder",
+    pruned_forward="pegasus-x",
+    install=_pegasus_x_marks,
+    output_calls=2,
+    parts=(PEGASUS_X_DECODER,),
+)
+
+
 def merged_attention_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """A merged attention's map over the decoder's tokens (:data:`MERGED_ATTENTION`): ``T5Gemma2MergedAttention``
     (transformers 5.24, its forward read) takes one softmax per head over ``[the decoder's keys | the encoder's]`` and
@@ -1546,6 +1732,7 @@ FAMILIES: dict[str, Family] = {
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
+    "convbert": CONVBERT,
     "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
@@ -1568,6 +1755,7 @@ FAMILIES: dict[str, Family] = {
     "albert": ALBERT,
     "xlnet": XLNET,
     "deepseek_v4": DEEPSEEK_V4,
+    "pegasus_x": PEGASUS_X,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -1587,7 +1775,9 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {
+                   "big_bird": big_bird, "bigbird_pegasus": bigbird_pegasus, "falcon": falcon,
+                   "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
                    "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
@@ -1635,21 +1825,10 @@ UNSUPPORTED: dict[str, str] = {
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
            "transformer over patches and a local decoder (with cross-attention between bytes and patches), each with "
            "its own layer 0: headlab numbers a model's layers per kind (enc_self, dec_self, dec_cross), in one stack",
-    # tab30c, read in transformers 5.24: ConvBertSelfAttention computes num_attention_heads // head_ratio attention
-    # heads and as many span-based dynamic convolution heads, concatenated before output.dense
-    "convbert": "ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads: the "
-                "convolution kernels are computed from every attention head's queries (query * key_conv_attn_layer, "
-                "then conv_kernel_layer over all heads' channels) and shaped by the attention head count, and "
-                "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
-                "head's weights cannot be removed without changing the convolution heads, and the dynamic "
-                "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
-                       "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
-                       "class drops the encoder)",
     # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
     # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
     # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
@@ -1662,15 +1841,6 @@ UNSUPPORTED: dict[str, str] = {
                   "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
                   "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
                   "without the decoder's self-attention would leave its heads out",
-    # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
-    # (PegasusXAttention) goes through the attention interface, the encoder's does not
-    "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
-                 "transformers' attention interface) returns no probabilities per head, and a head's attention is not "
-                 "a [query, key] map over the input's tokens: each token attends over [the num_global_tokens learned "
-                 "global tokens | its own block of block_size tokens] (every other layer's blocks staggered by "
-                 "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
-                 "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
-                 "not sum to one; an analysis would cover its decoder only",
     # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
     # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
     # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias
@@ -1727,12 +1897,15 @@ switching the config's implementation, as capture does, does not reach it), with
 
 
 def _big_bird(config: Any) -> str | None:
-    if getattr(config, "attention_type", "original_full") == "original_full":
+    # read in transformers 5.24 (models/big_bird): BigBirdModel.__init__ switches a block-sparse model with
+    # add_cross_attention to full attention (its config still says block_sparse), and its forward switches a decoder
+    # given a cache; block-sparse attention itself is bidirectional (no causal mask)
+    if getattr(config, "attention_type", "original_full") != "block_sparse" or not (
+            getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
         return None
-    return ("BigBird's block-sparse attention (attention_type='block_sparse', its config's default) computes no "
-            "[query, key] probability map per head, which headlab's analysis reads, and on inputs too short for it "
-            "transformers swaps the model's attention modules for full attention during a forward pass (headlab "
-            "would hold the old ones); set attention_type to 'original_full' (in config.json, or "
+    return ("BigBird as a decoder (is_decoder or add_cross_attention) with block-sparse attention: its block-sparse "
+            "attention attends both ways (no causal mask), and transformers switches it to full attention when it is "
+            "built with cross-attention or given a cache; set attention_type to 'original_full' (in config.json, or "
             "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
 
 

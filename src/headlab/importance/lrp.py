@@ -8,8 +8,9 @@ Definitions, from the paper:
   at every non-special token; a fine-tuned classifier's, the logit of its predicted class (one
   target per text).
 * **head relevance for one target**: the sum of the relevances of the head's neurons (the
-  head's output, at the input of the output projection), normalised over the heads of its
-  layer. Relevance can be negative, so the normaliser is the sum of absolute values: for
+  head's output, at the input of the output projection; over every run of it where the layer runs its output
+  projection more than once, ``Family.output_calls``: PEGASUS-X's global tokens and tokens), normalised over the
+  heads of its layer. Relevance can be negative, so the normaliser is the sum of absolute values: for
   non-negative relevances this is the plain normalisation of the paper, and a layer's scores
   always have absolute values summing to one.
 * **head relevance**: the average of that over all generation steps of the data set, or over
@@ -49,6 +50,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from headlab.adapters import AttentionBlock, attention_blocks, is_linear
+from headlab.adapters.families import LEARNED_TOKENS
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, float32_mask_floor, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
@@ -531,10 +533,36 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
         # Qwen4-Exp's n-gram injections, detached by their rule: a source whose share is kept, as a bias's
         handles.extend(register_hooks(injection_probe_hooks(model, _token_probe(probes, batch_size))))
+        # learned tokens that are not input tokens (PEGASUS-X's global tokens, LEARNED_TOKENS): constants the model
+        # adds, their share kept as a bias's
+        handles.extend(_learned_token_probes(model, _token_probe(probes, batch_size)))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
         handles.remove()
+
+
+def _learned_token_probes(model: nn.Module, ones) -> HookHandles:
+    """:func:`_source_probe` on each embedding of learned tokens (:data:`~headlab.adapters.families.LEARNED_TOKENS`)."""
+    handles = HookHandles()
+    for module in model.modules():
+        if (child := LEARNED_TOKENS.get(type(module).__name__)) is not None:
+            handles.append(getattr(module, child).register_forward_hook(_source_probe(ones)))
+    return handles
+
+
+def _source_probe(ones):
+    """A forward hook on a module whose output is a constant of the model (learned tokens' embeddings): the output
+    unchanged, plus a probe per token (``ones``, :func:`_token_probe`) whose gradient is the relevance reaching it."""
+
+    def hook(module, args, output):
+        s = ones(output)
+        if s is None:
+            return None
+        kept = output.detach() * s
+        return output + (kept - kept.detach())
+
+    return hook
 
 
 def _token_probe(probes: list[torch.Tensor], batch_size: int):
@@ -648,6 +676,16 @@ def bootstrap_stderr(sums: np.ndarray, counts: np.ndarray, resamples: int = 200,
     return ratios.std(axis=0, ddof=1)
 
 
+def _append_summed(per_slot: dict, keys: list, pieces: list[torch.Tensor]) -> None:
+    """Append to ``per_slot[key]`` the sum of the ``pieces`` of that key (one per recorded run of its block's output
+    projection: several where ``Family.output_calls`` says so, one elsewhere)."""
+    summed: dict = {}
+    for key, piece in zip(keys, pieces):
+        summed[key] = summed[key] + piece if key in summed else piece
+    for key, piece in summed.items():
+        per_slot[key].append(piece)
+
+
 def _contract(grad: torch.Tensor | None, heads: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """Relevance summed over positions and head dims: ``[(n,) batch, pos, H, d] -> [(n,) batch, H]``.
 
@@ -674,10 +712,13 @@ def head_relevance(
     if output_layer(model) is None:
         raise HeadlabError("LRP needs a language-model head (its top-1 logit is the target); this model has none")
     blocks = [b for b in (attention_blocks(model) if blocks is None else blocks) if b.n_heads > 0]
-    recorded: dict[tuple[str, int], torch.Tensor] = {}
+    recorded: dict[tuple[str, int], list[torch.Tensor]] = {}
 
     def record(block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
-        recorded[block.key] = heads  # [batch, pos, n_heads, d_head]
+        # [batch, pos, n_heads, d_head]; every run of an output projection that runs more than once per call
+        # (Family.output_calls: PEGASUS-X's encoder, its global tokens' heads and its tokens'), a head's relevance the sum
+        runs = recorded.get(block.key, []) if block.family.output_calls > 1 else []
+        recorded[block.key] = [*runs, heads]
         return heads
 
     batch_rows = next(iter(batch.inputs.values())).shape[0]
@@ -706,8 +747,8 @@ def head_relevance(
         n_emb = (len(embedded), len(per_layer))
         steps = batch.steps.to(y.device)
         index = steps.nonzero()  # [n, 2] (row, position), row-major order
-        keys = [b.key for b in blocks]
-        tensors = [recorded[k] for k in keys]
+        keys = [b.key for b in blocks for _ in recorded[b.key]]  # a key per recorded run (Family.output_calls)
+        tensors = [t for b in blocks for t in recorded[b.key]]
         heads = [t.detach() for t in tensors]
         values = [t.detach() for t in ends]
         rank, n_slots = _slots(steps)
@@ -716,9 +757,12 @@ def head_relevance(
             reached = []
             for r, p in index.tolist():
                 grads = torch.autograd.grad(y[r, p], tensors + ends, retain_graph=True, allow_unused=True)
+                step: dict = {}
                 for key, g, h in zip(keys, grads, heads):
                     jac = torch.zeros_like(h) if g is None else g  # d y[r, p] / d heads, whole batch
-                    rows[key].append((jac * h).sum(dim=(0, 1, 3)))  # [H]
+                    step[key] = step.get(key, 0) + (jac * h).sum(dim=(0, 1, 3))  # [H], over the block's runs
+                for key, row in step.items():
+                    rows[key].append(row)
                 at_ends = [g[None] if g is not None else None for g in grads[len(keys):]]
                 reached.append(_reached(at_ends, values, n_emb, y, 1)[0, r])
             relevance = {
@@ -737,16 +781,14 @@ def head_relevance(
                         y, tensors + ends, grad_outputs=_slot_selectors(steps, rank, start, stop, y),
                         retain_graph=True, allow_unused=True, is_grads_batched=True,
                     )
-                    for key, grad, h in zip(keys, grads, heads):
-                        per_slot[key].append(_contract(grad, h, stop - start))
+                    _append_summed(per_slot, keys, [_contract(grad, h, stop - start) for grad, h in zip(grads, heads)])
                     at_ends.append(_reached(grads[len(keys):], values, n_emb, y, stop - start))
             else:  # "loop": one backward per slot, all rows at once
                 for slot in range(n_slots):
                     selector = _slot_selectors(steps, rank, slot, slot + 1, y)[0]
                     grads = torch.autograd.grad(y, tensors + ends, grad_outputs=selector, retain_graph=True,
                                                 allow_unused=True)
-                    for key, grad, h in zip(keys, grads, heads):
-                        per_slot[key].append(_contract(grad, h)[None])
+                    _append_summed(per_slot, keys, [_contract(grad, h)[None] for grad, h in zip(grads, heads)])
                     at_ends.append(_reached([None if g is None else g[None] for g in grads[len(keys):]],
                                             values, n_emb, y, 1))
             picks = rank[index[:, 0], index[:, 1]]

@@ -574,9 +574,12 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             if (problem := shared_kv_rule.problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
-        # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
-        refused = block.family.lrp_refused or block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
-        if block.n_heads and (block.family.lrp_refused or block.q is None and block.qkv is None and refused):
+        # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused), or a table's
+        # reason whatever its projections (ConvBERT's dynamic convolution heads)
+        untied = block.q is None and block.qkv is None
+        refused = block.family.lrp_refused or block.family.refused or \
+            (FUSED_REFUSED.get(type(block.core).__name__) if untied else None)
+        if block.n_heads and refused:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and (problem := head_map_problem(block)):  # a per-head map before o_proj without a rule
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")

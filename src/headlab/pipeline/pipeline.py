@@ -510,6 +510,7 @@ class _Context:
                              n_sentences=self.config.limit)
             self.log(data.summary())
             self._check_next_tokens(data)
+            self._check_block_sparse(data)
             self._data = data
         return self._data
 
@@ -535,6 +536,34 @@ class _Context:
                        "a language model by its loss of predicting each next token, which a one-token sentence does "
                        f"not have: give sentences of two tokens or more{'' if c.limit is None else ' (or a larger --limit)'}"
                        f", or --skip {' '.join(loss)}")
+
+    def _check_block_sparse(self, data) -> None:
+        """Block-sparse BigBird refuses, before its forward, every sentence of at most (5 + 2 x num_random_blocks) x
+        block_size tokens (headlab.adapters.big_bird: on those transformers would switch its attention to full
+        attention for good), whatever its batch: the stages failed one after another on the first short sentence.
+        Refused here, before the first stage's work, naming the lines."""
+        from headlab.adapters.big_bird import block_sparse_layout
+
+        layout = block_sparse_layout(self.load()[0])
+        if layout is None:
+            return
+        short = [i for i, ids in enumerate(data.sources) if len(ids) <= layout[1]]
+        if not short:
+            return
+        from headlab.data.parallel import first_sentences, read_lines
+
+        c = self.config
+        lines = read_lines(c.source)
+        numbers = [n for n, line in enumerate(lines[: first_sentences(lines, c.limit)], start=1) if line.strip()]
+        named = [numbers[i] for i in short] if len(numbers) == len(data.sources) else [i + 1 for i in short]
+        shown = ", ".join(map(str, named[:5])) + (", ..." if len(named) > 5 else "")
+        where = "line" if len(numbers) == len(data.sources) else "sentence"
+        raise _Refused(f"--source {c.source}: {where}{'s' if len(named) > 1 else ''} {shown} "
+                       f"{'has' if len(named) == 1 else 'have'} at most {layout[1]} tokens, on which this block-sparse "
+                       "BigBird would run full attention (transformers switches its attention modules to full "
+                       f"attention for good on inputs of at most (5 + 2 x num_random_blocks) x block_size = {layout[1]} "
+                       "tokens): give sentences longer than that, or load the model with "
+                       "attention_type='original_full' (full attention, which headlab analyses on any input)")
 
     def keep_data(self, data) -> None:
         """Keep the data with the model's translations made by one measure for the next ones."""

@@ -1,0 +1,346 @@
+"""ConvBERT: its attention heads analysed, masked and gated; physical pruning and LRP refused before any work.
+
+Before session 40 the whole model was refused (``adapters.families.UNSUPPORTED["convbert"]``: "ConvBERT's
+self-attention mixes its attention heads with span-based dynamic convolution heads ..."), so every test here failed on
+main. Read in transformers 5.24 (models/convbert, ``ConvBertSelfAttention``): ``num_attention_heads // head_ratio``
+softmax heads (1 where that is 0) of ``(hidden_size / heads) // 2``, returning ``(context, probs)`` always, and as many
+span-based dynamic convolution heads whose kernels come from ``query(x) * key_conv_attn_layer(x)``; ``output.dense``
+reads ``[attention heads' outputs | convolution heads' outputs]``. So: capture is the probabilities the module returns;
+masking a head zeroes its columns among the first ``heads x d`` (what transformers' old ``head_mask`` did: it multiplied
+``attention_probs``), the convolution heads' columns untouched, checked against that by hand on padded float64 batches;
+gates (constant, scalar, Hard Concrete) act there too. Removing a head's query rows would change the convolution heads,
+and the dynamic convolution has no LRP rule: both are refused before any work, the model unchanged and never run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
+from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model, tiny_inputs
+
+CONFIGS = {
+    # head_ratio 2: 4 // 2 = 2 attention heads of (32 / 2) // 2 = 8, and 2 convolution heads; embeddings projected up
+    "ratio2": dict(num_attention_heads=4, head_ratio=2, embedding_size=24),
+    # 2 // 4 = 0: transformers makes 1 attention head of (32 / 1) // 2 = 16 (and one convolution head)
+    "one-head": dict(num_attention_heads=2, head_ratio=4, embedding_size=32),
+}
+HEADS = {"ratio2": (2, 8), "one-head": (1, 16)}
+
+
+def build(name: str = "ratio2", **extra) -> torch.nn.Module:
+    """The tiny masked LM in float64, eager (its only implementation), biases and norms moved off their initial values."""
+    config = tf.ConvBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, intermediate_size=37,
+                               max_position_embeddings=64, pad_token_id=2, conv_kernel_size=3,
+                               **CONFIGS[name], **extra)
+    return perturbed_model(tf.ConvBertForMaskedLM, config, attn_implementation="eager").double()
+
+
+def _cores(model) -> list[torch.nn.Module]:
+    return [layer.attention.self for layer in model.convbert.encoder.layer]
+
+
+def _by_hand(model, inputs: dict, layer: int, scales: dict[int, float]) -> torch.Tensor:
+    """The logits with head h's attention output (columns h x d .. of the context the self-attention returns, among
+    the first heads x d; the convolution heads' after them untouched) times ``scales[h]``, read off the modeling code."""
+    core = _cores(model)[layer]
+    d = core.attention_head_size
+
+    def scale(module, args, output):
+        context = output[0].clone()
+        for head, factor in scales.items():
+            context[..., head * d:(head + 1) * d] *= factor
+        return (context, *output[1:])
+
+    handle = core.register_forward_hook(scale)
+    try:
+        return logits(model, inputs)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_blocks_are_the_attention_heads_with_the_convolution_columns_after_them(name):
+    heads, d = HEADS[name]
+    blocks = attention_blocks(build(name))
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head, b.columns_after) for b in blocks] == \
+        [("enc_self", layer, heads, heads, d, heads * d) for layer in (0, 1)]
+
+
+def test_the_heads_table_says_what_follows_the_heads():
+    from headlab.commands import heads_table
+
+    table = heads_table(attention_blocks(build()))
+    assert "convbert.encoder.layer.1.attention (then 16 columns that are not its heads')" in table, table
+    assert table.splitlines()[-1] == "total: enc_self 4; 4 heads"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_capture_is_the_probabilities_the_module_returns(name):
+    """On a padded batch, to 1e-12: each layer's map is the attention_probs ConvBertSelfAttention returns, its rows
+    summing to one over the sentence's tokens, nothing on the padding."""
+    model, inputs = build(name), tiny_inputs()
+    returned = {}
+    handles = [core.register_forward_hook(lambda m, a, out, i=i: returned.__setitem__(i, out[1].detach()))
+               for i, core in enumerate(_cores(model))]
+    with torch.no_grad(), capture_attention(model) as record:
+        model(**inputs)
+    for handle in handles:
+        handle.remove()
+    for layer in (0, 1):
+        probs = record[("enc_self", layer)]
+        assert probs.shape == (2, HEADS[name][0], 7, 7)
+        torch.testing.assert_close(probs, returned[layer], atol=1e-12, rtol=0)
+        assert float(probs[1, :, :, -2:].abs().max()) == 0.0
+        torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), atol=1e-12, rtol=0)
+
+
+def test_a_padded_rows_convolutions_read_the_padding():
+    """What docs/foundation.md says: ConvBERT's convolutions (key_conv_attn_layer, the unfold of conv_out_layer) have
+    no padding mask in transformers, so in a padded batch a shorter row's last tokens read the padding's states where
+    the row alone reads zeros: layer 0's map (before any convolution) is the row's own, layer 1's is not. headlab's
+    maps and scores are the model's on the batches it runs (batch size 1: each sentence's own)."""
+    model, inputs = build(), tiny_inputs()
+    alone = {"input_ids": inputs["input_ids"][1:, :5], "attention_mask": inputs["attention_mask"][1:, :5]}
+    with torch.no_grad(), capture_attention(model) as record:
+        model(**inputs)
+        padded = [record[("enc_self", layer)][1, :, :5, :5].clone() for layer in (0, 1)]
+        model(**alone)
+        own = [record[("enc_self", layer)][0] for layer in (0, 1)]
+    torch.testing.assert_close(padded[0], own[0], atol=1e-12, rtol=0)
+    assert not torch.allclose(padded[1], own[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name,layer,heads", [("ratio2", 0, [1]), ("ratio2", 1, [0]), ("ratio2", 1, [0, 1]),
+                                              ("one-head", 0, [0])])
+def test_masking_zeroes_the_heads_attention_columns_only(name, layer, heads):
+    """Masking equals zeroing the heads' columns of the attention context by hand (the convolution heads' columns
+    kept), on a padded batch, to 1e-12; the mask comes off."""
+    model, inputs = build(name), tiny_inputs()
+    before = logits(model, inputs)
+    with mask_heads(model, {("enc_self", layer): heads}):
+        masked = logits(model, inputs)
+    assert torch.equal(logits(model, inputs), before)
+    reference = _by_hand(model, inputs, layer, dict.fromkeys(heads, 0.0))
+    assert not torch.allclose(reference, before)
+    torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+
+
+def test_gates_scale_a_heads_attention_columns_and_gates_at_one_change_nothing():
+    """A constant gate of 0.25 on head 1 of layer 0 equals scaling its attention columns by hand; scalar gates at one
+    change nothing and come off."""
+    from headlab import ConstantGates, gates_attached
+
+    model, inputs = build(), tiny_inputs()
+    gates = ConstantGates({("enc_self", 0): torch.tensor([1.0, 0.25])})
+    with gates_attached(model, gates):
+        gated = logits(model, inputs)
+    torch.testing.assert_close(gated, _by_hand(model, inputs, 0, {1: 0.25}), atol=1e-12, rtol=0)
+    check_gates_at_one_change_nothing(build("one-head"), inputs)
+    check_gates_at_one_change_nothing(model, inputs)
+
+
+def test_hard_concrete_gates_are_one_per_attention_head_and_a_closed_one_masks_it():
+    """HardConcreteGates.for_model: one log alpha per attention head (none for the convolution heads); in eval mode a
+    gate closed (its log alpha far below zero) equals masking that head; in training mode the loss reaches every
+    head's log alpha."""
+    from headlab import gates_attached
+    from headlab.gates import block_name
+    from headlab.pruning import HardConcreteGates
+
+    model, inputs = build(), tiny_inputs()
+    gates = HardConcreteGates.for_model(model)
+    assert {name: tuple(alpha.shape) for name, alpha in gates.log_alpha.items()} == \
+        {block_name(("enc_self", layer)): (2,) for layer in (0, 1)}
+    with torch.no_grad():
+        gates.log_alpha[block_name(("enc_self", 1))][0] = -20.0
+    gates.eval()
+    with gates_attached(model, gates):
+        closed = logits(model, inputs)
+    with mask_heads(model, {("enc_self", 1): [0]}):
+        torch.testing.assert_close(closed, logits(model, inputs), atol=1e-12, rtol=0)
+    torch.manual_seed(0)
+    gates = HardConcreteGates.for_model(model, init_log_alpha=0.0).double()  # sampled gates mostly inside (0, 1)
+    with gates_attached(model, gates):
+        model.train()  # the gates sample in the model's training mode
+        model(**inputs).logits.pow(2).mean().backward()
+    assert all(bool(alpha.grad.abs().min() > 0) for alpha in gates.log_alpha.values())
+
+
+def _sentence_nll(model, ids: list[int], special: set[int], scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A sentence's mean token NLL against its own (unmasked, non-special) tokens, the masked-LM loss headlab's
+    measures use without a mask token; with ``scales`` ([layers, heads]) each head's attention columns multiplied by
+    its entry by hand."""
+    handles = []
+    if scales is not None:
+        for layer, core in enumerate(_cores(model)):
+            def scale(module, args, output, layer=layer):
+                d, heads = module.attention_head_size, module.num_attention_heads
+                context = output[0]
+                factors = scales[layer].repeat_interleave(d)
+                ones = torch.ones(context.shape[-1] - heads * d, dtype=context.dtype)  # the convolution heads' columns
+                return (context * torch.cat([factors, ones]), *output[1:])
+            handles.append(core.register_forward_hook(scale))
+    try:
+        tokens = torch.tensor([ids])
+        keep = torch.tensor([t not in special for t in ids])
+        out = model(input_ids=tokens).logits[0]
+        return torch.nn.functional.cross_entropy(out[keep], tokens[0][keep])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+SENTENCES = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18, 19]]
+
+
+def test_gradient_importance_is_the_derivative_by_the_heads_attention_columns():
+    """compute_gradient (raw) is, per head, the mean over sentences of |dL/ds| where s multiplies the head's attention
+    columns by hand (the convolution heads' kept), to float32's precision (the gates')."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance.gradient import compute_gradient
+    from headlab.model_description import describe_model
+
+    model = build()
+    info = describe_model(model)
+    # batches of one sentence: in a padded batch ConvBERT's convolutions read the padding (the test below)
+    scores = compute_gradient(model, ImportanceData.from_ids(SENTENCES), info, batch_size=1, normalize=False)
+    expected = torch.zeros(2, 2, dtype=torch.float64)
+    for ids in SENTENCES:
+        scales = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+        _sentence_nll(model, ids, set(info.special_ids), scales).backward()
+        expected += scales.grad.abs() / len(SENTENCES)
+    assert expected.min() > 0
+    # the gates' gradients are float32 (headlab's gates), the model float64
+    torch.testing.assert_close(torch.tensor(scores["enc_self"], dtype=torch.float64), expected, atol=0, rtol=1e-6)
+
+
+def test_ablation_is_the_loss_with_the_heads_attention_columns_zeroed():
+    """compute_ablation (three masked copies of a sentence per forward call) is, per head, the mean token NLL with the head's
+    attention columns zeroed by hand minus the model's, to 2e-6 (its float32 sums)."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance.ablation import compute_ablation
+    from headlab.model_description import describe_model
+
+    model = build()
+    info = describe_model(model)
+    special = set(info.special_ids)
+    # three masked copies of one sentence per forward call (no padding: the convolutions would read it)
+    scores = compute_ablation(model, ImportanceData.from_ids(SENTENCES), info, batch_size=1, max_rows=3)
+
+    def total(scales=None) -> float:
+        with torch.no_grad():
+            losses = [_sentence_nll(model, ids, special, scales) * sum(t not in special for t in ids)
+                      for ids in SENTENCES]
+        return float(sum(losses)) / sum(sum(t not in special for t in ids) for ids in SENTENCES)
+
+    base = total()
+    for layer in (0, 1):
+        for head in (0, 1):
+            scales = torch.ones(2, 2, dtype=torch.float64)
+            scales[layer, head] = 0.0
+            # ablation sums the loss in float32 (tests/test_importance_ablation.py: the same tolerance)
+            assert scores["enc_self"][layer, head] == pytest.approx(total(scales) - base, abs=2e-6), (layer, head)
+
+
+def test_confidence_is_the_same_on_every_engine():
+    """Its attention does not go through transformers' attention interface: the default and chunked engines take the
+    eager maps (stream_attention's fallback) and give eager's scores to float32's rounding."""
+    import numpy as np
+
+    from headlab.capture import not_streamable
+    from headlab.importance import ImportanceData, compute_confidence, describe_model
+
+    model = build()
+    assert "does not dispatch through transformers' AttentionInterface" in not_streamable(model)
+    info = describe_model(model)
+    data = ImportanceData.from_ids(SENTENCES)
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        np.testing.assert_allclose(streamed["enc_self"], eager["enc_self"], rtol=1e-6, atol=1e-12)
+
+
+def test_a_family_with_columns_after_its_heads_must_say_why_pruning_and_lrp_are_refused():
+    """The per-head hooks pass the columns after the heads through; pruning's slicing and LRP's rules do not know them,
+    so a table entry with such columns and no refusal is an error when it is written."""
+    from headlab.adapters.families import CONVBERT, Family
+
+    with pytest.raises(ValueError, match="need a reason physical pruning and LRP are refused"):
+        Family(name="x", patterns=(), q="q", k="k", v="v", o="o", d_head_attr="d", columns_after_heads="width")
+    assert CONVBERT.refused and CONVBERT.lrp_refused and CONVBERT.columns_after_heads == "all_head_size"
+
+
+def _never_run(model) -> list[int]:
+    calls = [0]
+    model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_pruning_is_refused_before_any_work():
+    """prune_heads (and check_prunable, which prune train calls first) refuse naming the convolution heads the query
+    rows feed; the weights unchanged, the model never run."""
+    from headlab.surgery import check_prunable
+
+    model = build()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    calls = _never_run(model)
+    message = r"physical pruning is refused: a head's query rows also feed ConvBERT's span-based dynamic convolution"
+    for action in (lambda: prune_heads(model, {("enc_self", 0): [1]}), lambda: check_prunable(model)):
+        with pytest.raises(HeadlabError, match=message):
+            action()
+    assert calls == [0]
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+    assert [b.n_heads for b in attention_blocks(model)] == [2, 2]
+
+
+def test_lrp_is_refused_before_any_work():
+    """compute_lrp refuses naming the dynamic convolution, before any forward pass; the weights unchanged."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance.lrp import compute_lrp
+    from headlab.model_description import describe_model
+
+    model = build()
+    info = describe_model(model)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    calls = _never_run(model)
+    data = ImportanceData.from_ids([[5, 6, 7], [8, 9, 10, 11, 12]])
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of .*ConvBERT's span-based dynamic "
+                                           r"convolution heads .* have no LRP rule"):
+        compute_lrp(model, data, info, bootstrap=0)
+    assert calls == [0]
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+
+
+def test_a_decoders_cross_attention_is_idle():
+    """With is_decoder and add_cross_attention, ConvBertModel never passes encoder states: its crossattention modules
+    are idle blocks (nothing runs them), its self-attention still bidirectional (enc_self)."""
+    blocks = attention_blocks(build(is_decoder=True, add_cross_attention=True))
+    assert [(b.kind, b.layer, b.idle) for b in blocks] == \
+        [("enc_self", 0, False), ("enc_self", 1, False), ("dec_cross", 0, True), ("dec_cross", 1, True)]
+
+
+def test_analyze_end_to_end(tmp_path):
+    """`headlab analyze --ablation` on a saved tiny ConvBERT: every stage done but LRP, refused before its work naming
+    the dynamic convolution; both layers' heads scored by confidence, gradient and ablation. Before: every stage
+    refused with the model."""
+    import json
+
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    model = build().float()
+    save_tiny(model, tmp_path / "model", treebank_files(tmp_path), style="bert")
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    for name in ANALYZE_STAGES:
+        assert stages[name]["status"] == "done", stages[name]
+    # a stage refused with a HeadlabError is recorded as failed, its reason the refusal, and the run exits 1
+    assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
+    assert "LRP: no rule for the attention of convbert.encoder.layer.0.attention (convbert): ConvBERT's span-based " \
+           "dynamic convolution heads" in stages["lrp"]["reason"], stages["lrp"]
+    for measure in ("confidence", "gradient", "ablation"):
+        rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["enc_self"]
+        assert [len(row) for row in rows] == [2, 2], measure
+        assert all(v is not None for row in rows for v in row), measure
