@@ -663,7 +663,8 @@ only. Empty rows where a module has no gate (LFM3 without ``use_attention_gate``
 the function gives no rows is refused (:func:`headlab.adapters.attention_blocks`)."""
 
 OUTPUT_GATES_REFUSED: dict[str, str] = {}
-"""Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
+"""Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own (none since session 40:
+Inkling2 and Inkling2-Loop, listed from session 28 to 39, are analysed and masked)."""
 
 def inkling2_loop_depths(config: Any) -> list[int] | None:
     """The decoder layer (its index in ``layers``) run at each depth of Inkling2-Loop's forward, in order
