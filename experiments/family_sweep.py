@@ -275,7 +275,28 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     **{t: dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
                sliding_window_size=4, d_rel=4, rel_extent=8, moe_intermediate_size=40, n_routed_experts=4,
                num_experts_per_tok=2, n_layers_per_attn_res_block=1, layer_types=["hybrid_sliding", "hybrid"])
-       for t in ("inkling2_text", "inkling2_loop_text")},
+       for t in ("inkling2_text",)},
+    # Inkling2-Loop: four layers, 1 and 2 looped twice (its default loop starts at layer 6)
+    "inkling2_loop_text": dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                               swa_head_dim=8, sliding_window_size=4, d_rel=4, rel_extent=8, moe_intermediate_size=40,
+                               n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+                               num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2,
+                               loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=2, loop_gate_rank=8),
+    # its vision tower one layer deep around the text model above (session 40: analysed as its language model)
+    "inkling2": dict(text_config=dict(SIZES, unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                                      swa_head_dim=8, sliding_window_size=4, d_rel=4, rel_extent=8, moe_intermediate_size=40,
+                                      n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+                                      layer_types=["hybrid_sliding", "hybrid"]),
+                     vision_config=dict(text_hidden_size=32, hidden_size=16, intermediate_size=20, num_hidden_layers=1,
+                                        num_attention_heads=2)),
+    "inkling2_loop": dict(text_config=dict(SIZES, unpadded_vocab_size=99, swa_num_attention_heads=4,
+                                           swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4, d_rel=4,
+                                           rel_extent=8, moe_intermediate_size=40, n_routed_experts=4,
+                                           num_experts_per_tok=2, n_layers_per_attn_res_block=1, num_hidden_layers=4,
+                                           layer_types=["hybrid_sliding", "hybrid"] * 2, loop_layer_index_start=1,
+                                           loop_layer_index_end=3, loop_num_passes=2, loop_gate_rank=8),
+                          vision_config=dict(text_hidden_size=32, hidden_size=16, intermediate_size=20,
+                                             num_hidden_layers=1, num_attention_heads=2)),
     # its default for 3 layers is convolutions only: one of each kind
     "lfm3": dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"], sliding_window=4),
     # chunked attention over 4 tokens
@@ -447,8 +468,6 @@ SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a bui
     # tiny model by a test file of its own
     "glm5_next": "checked by tests/test_mla_pruning.py and tests/test_multimodal_towers.py (a config of its own)",
     "hy_v4_vl": "checked by tests/test_hy_v4_vl.py and tests/test_lrp_hyper_connections.py (a config of its own)",
-    **{t: "refused for its language model's unchecked parts, as its text model (swept as inkling2_text / "
-          "inkling2_loop_text): tests/test_output_gates.py" for t in ("inkling2", "inkling2_loop")},
     "mistral_large4": "checked by tests/test_mla_pruning.py, tests/test_lrp_latent_attention.py and "
                       "tests/test_saved_class.py (shared key/value layers and an indexer: a config of its own)",
     **{t: "a drafter for speculative decoding: it ignores input_ids and attends to the target model's shared keys "

@@ -19,8 +19,10 @@ hyper-connections), refused for those until session 36, is analysed and pruned: 
 
 Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
 (``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2 and Inkling2-Loop stay refused,
-naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Qwen4-Exp, refused so until session
-36, is analysed and pruned as Qwen3-Next's gated attention: tests/test_hyper_connection_families.py.
+naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Since session 40 both are
+analysed and masked: tests/test_inkling2.py.
+Qwen4-Exp, refused so until session 36, is analysed and pruned as Qwen3-Next's gated attention:
+tests/test_hyper_connection_families.py.
 """
 
 from __future__ import annotations
@@ -599,74 +601,19 @@ def test_laguna_gate_flag_other_than_a_bool_gives_no_rows():
     assert laguna_gate(core) == ((), ())
 
 
-_UNCHECKED = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                  pad_token_id=2, moe_intermediate_size=40, num_experts=4, n_routed_experts=4, num_experts_per_tok=2)
-_INKLING2 = dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
-                 sliding_window_size=4, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1,
-                 layer_types=["hybrid_sliding", "hybrid"])
-# model type -> (its config beyond _UNCHECKED, what the refusal names)
-UNCHECKED = {
-    "inkling2_text": (_INKLING2, r"o_proj\.gate_proj: .*attention sinks computed from the layer's input \(sink_proj.*"
-                                 r"relative_position_bias.*short convolutions over the key and value channels.*block "
-                                 r"attention residuals"),
-    "inkling2_loop_text": (_INKLING2, r"o_proj\.gate_proj: .*sink_proj.*block attention residuals.*Inkling2-Loop also "
-                                      r"runs its loop layers several times"),
-}
+def test_a_gated_type_refused_for_a_reason_of_its_own_is_refused_naming_it(monkeypatch):
+    """OUTPUT_GATES_REFUSED (Inkling2 and Inkling2-Loop's until session 40, both analysed since: tests/test_inkling2.py):
+    a type listed there is refused before any work with its reason, where discovery sees its gate and where its probe
+    forward fails (converted whole to float64, Inkling2's does)."""
+    from headlab import adapters
+    from test_inkling2 import build as build_inkling2
 
-
-def _unchecked(model_type: str):
-    """The tiny eager model of an UNCHECKED type (skipped where this transformers lacks it), with the projections its
-    refusal names."""
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    extra, named = UNCHECKED[model_type]
-    config = CONFIG_MAPPING[model_type](**{**_UNCHECKED, **extra})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return model_class_for(config)(config).eval(), named
-
-
-@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
-def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
-    """Inkling2 (and Inkling2-Loop) gate each head by its own rows too, but have parts headlab has not checked
-    (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop layers):
-    refused before any work naming them (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type
-    OUTPUT_GATES does not list). Qwen4-Exp, here until session 36: tests/test_hyper_connection_families.py."""
-    model, named = _unchecked(model_type)
-    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.layers\.\d\.self_attn: an output "
-                                           rf"gate from {named}"):
+    monkeypatch.setitem(adapters.OUTPUT_GATES_REFUSED, "inkling2_text", "a reason of its own")
+    monkeypatch.delitem(adapters.OUTPUT_GATES, "inkling2_text")  # as for a type whose gate is not listed
+    monkeypatch.delitem(adapters.PROBE_FAILURES, "inkling2_text")
+    model = build_inkling2()
+    with pytest.raises(HeadlabError, match=r"model_type 'inkling2_text'\): model\.layers\.\d\.self_attn: an output "
+                                           r"gate from o_proj\.gate_proj: a reason of its own"):
         attention_blocks(model)
-
-
-@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
-def test_in_float64_where_their_forward_fails_the_refusal_still_names_the_unchecked_parts(model_type):
-    """Inkling2's forward does not run in float64 (a float32 product inside), so discovery's probe fails; the refusal
-    still names what headlab has not checked (before: "cannot read the output width of Inkling2QueryProjection", from
-    the name-based fallback)."""
-    model = _unchecked(model_type)[0].double()
-    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): its o_proj\.gate_proj gate .* headlab has "
-                                           "not checked these"):
-        attention_blocks(model)
-
-
-@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop"])
-def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
-    """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work
-    for their language model's unchecked parts, as the text model is (before: as a gate of an unlisted type)."""
-    from transformers import AutoModelForImageTextToText
-
-    text_type = f"{model_type}_text"
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    extra, named = UNCHECKED[text_type]
-    text = CONFIG_MAPPING[text_type](**{**_UNCHECKED, **extra})
-    vision = dict(text_hidden_size=32, hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
-                  depth=1, num_heads=2, out_hidden_size=32)
-    config = CONFIG_MAPPING[model_type](text_config=text.to_dict(), vision_config=vision)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config).eval()
-    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.language_model\.layers\.\d\.self_attn: "
-                                           rf"an output gate from {named}"):
-        attention_blocks(model)
+    with pytest.raises(HeadlabError, match=r"model_type 'inkling2_text'\): a reason of its own$"):
+        attention_blocks(build_inkling2().double())

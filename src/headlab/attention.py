@@ -277,6 +277,23 @@ def _is_causal(module: nn.Module, sink: ChunkSink | None, given: bool | None) ->
     return bool(getattr(module, "is_causal", True))
 
 
+def _sink_logits(module: nn.Module, query: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """The learned sinks (``s_aux``) a call hands the function, one logit per query head as it takes them (None where
+    there are none); any other sinks refused mid-forward (before any statistic of that call)."""
+    if kwargs.get("sinks") is not None:  # Inkling2's: a logit per head and query, from the layer's input
+        raise NotImplementedError(f"headlab's attention function: attention sinks handed as sinks= "
+                                  f"({type(module).__name__}), which it does not implement; run with --engine eager")
+    sink_logits = kwargs.get("s_aux")
+    if sink_logits is not None and getattr(getattr(module, "config", None), "model_type", None) not in ATTENTION_SINKS:
+        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of {type(module).__name__}, "
+                                  "whose use of them headlab has not read; run with --engine eager")
+    if sink_logits is not None and tuple(sink_logits.shape) != (query.shape[1],):
+        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of shape "
+                                  f"{tuple(sink_logits.shape)}, "
+                                  f"not one logit per query head ({query.shape[1]})")
+    return sink_logits
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -288,14 +305,7 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``(output [batch, q_len, n_heads, d_head], None)``, as transformers' attention functions return."""
-    sink_logits = kwargs.get("s_aux")
-    if sink_logits is not None and getattr(getattr(module, "config", None), "model_type", None) not in ATTENTION_SINKS:
-        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of {type(module).__name__}, "
-                                  "whose use of them headlab has not read; run with --engine eager")
-    if sink_logits is not None and tuple(sink_logits.shape) != (query.shape[1],):
-        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of shape "
-                                  f"{tuple(sink_logits.shape)}, "
-                                  f"not one logit per query head ({query.shape[1]})")
+    sink_logits = _sink_logits(module, query, kwargs)
     if kwargs.get("indices") is not None:
         attention_mask = selected_keys_mask(attention_mask, kwargs["indices"], key.shape[2], query.dtype)
     sink: ChunkSink | None = getattr(module, SINK_ATTRIBUTE, None)

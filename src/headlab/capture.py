@@ -362,16 +362,36 @@ ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
 
 def unregistrable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
     """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can): those whose module
-    does not dispatch through transformers' registry, and those that append keys of their own to the tokens'
-    (``Family.appended_keys``: DeepSeek-V4's compressed entries, which the function would count as keys)."""
-    return [block for block in blocks if block.n_heads and (block.family.appended_keys or not dispatches(block.core))]
+    does not dispatch through transformers' registry, those that append keys of their own to the tokens'
+    (``Family.appended_keys``: DeepSeek-V4's compressed entries, which the function would count as keys), and those
+    that hand it sinks of their own (:func:`own_sinks`: Inkling2's, which it does not implement)."""
+    return [block for block in blocks if block.n_heads and (block.family.appended_keys or not dispatches(block.core)
+                                                            or own_sinks(block))]
+
+
+def own_sinks(block: AttentionBlock) -> bool:
+    """Whether the block's attention hands the attention function sinks as ``sinks=`` (Inkling2's: one logit per head
+    and query, from the layer's input), which headlab's function does not implement (its sinks are ``s_aux``)."""
+    try:
+        source = inspect.getsource(type(block.core).forward)
+    except (OSError, TypeError):
+        return False
+    return "sinks=sinks" in source
+
+
+def _unregistrable_reason(block: AttentionBlock) -> str:
+    if block.family.appended_keys:
+        return f"its attention appends {block.family.appended_keys} to the tokens' keys"
+    if own_sinks(block):
+        return "its attention has sinks (sinks=), which headlab's attention function does not implement"
+    return "attention does not dispatch through transformers' AttentionInterface"
 
 
 def not_streamable(model: nn.Module) -> str | None:
     """Why ``model``'s attention cannot run through headlab's attention function, or None where it
     can: a block that does not dispatch through transformers' registry (:func:`unregistrable`;
     :func:`stream_attention` would cut the whole map), or one that hands the function attention
-    sinks (``s_aux``, GPT-OSS), which it refuses mid-forward. The engines that default to the
+    sinks (``s_aux``, GPT-OSS; ``sinks=``, Inkling2), which it refuses mid-forward. The engines that default to the
     function (the fused statistics, confidence) run the eager path instead."""
     blocks = attention_blocks(model)
     unable = unregistrable(blocks)
@@ -379,7 +399,7 @@ def not_streamable(model: nn.Module) -> str | None:
         return (f"its attention appends {unable[0].family.appended_keys} to the tokens' keys ({unable[0].name}), "
                 "which headlab's attention function would count as keys")
     if unable:
-        return f"attention does not dispatch through transformers' AttentionInterface ({unable[0].name})"
+        return f"{_unregistrable_reason(unable[0])} ({unable[0].name})"
     for block in blocks:
         if _model_type(block) in ATTENTION_SINKS:  # sinks read: one logit per query head, as headlab's function takes them
             continue
@@ -610,8 +630,7 @@ def stream_attention(
     blocks = every if blocks is None else blocks
     unable = unregistrable(every)
     if unable:
-        why = (f"its attention appends {unable[0].family.appended_keys} to the tokens' keys" if
-               unable[0].family.appended_keys else "attention does not dispatch through transformers' AttentionInterface")
+        why = _unregistrable_reason(unable[0])
         logger.warning("%s: %s (%s); falling back to eager capture (the whole [batch, heads, q, k] map per block)",
                        type(model).__name__, why, unable[0].name)
 

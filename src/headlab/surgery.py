@@ -1491,6 +1491,10 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     refuses a width that does not fit its layout)."""
     # a module shared by several depths (ALBERT) prunes when the plan removes the same heads at each
     # (check_shared_plan), which masking those heads at every depth equals
+    if block.family.prune_refused and block.n_heads:  # a layout read and refused by its model type (Inkling2's)
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: "
+                           f"{block.family.prune_refused}; mask the heads instead (mask_heads, or headlab prune train's "
+                           "gates)")
     latent = unpruned_latent_reason(block.family, block.core) if block.n_heads else None
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "

@@ -36,6 +36,7 @@ from headlab.adapters.families import (
     CAUSAL_ON_TOKEN_IDS,
     CONFIG_FAMILIES,
     CORE_CLASSES_REFUSED,
+    DEPTH_MIXERS,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
     HEAD_MAPS,
@@ -43,9 +44,13 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
+    LOOPED_LAYERS,
+    LRP_REFUSED,
     MERGED_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
+    PROBE_FAILURES,
+    PRUNING_REFUSED,
     QKV_ADAPTERS,
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
@@ -339,12 +344,15 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     named = [c for c in _generic_candidates(model) if type(c[3]).__name__ not in LINEAR_MIXERS]
     where = f"{type(model).__name__} (model_type {model_type!r})"
     try:
-        found = discover(model)
+        # Inkling2's block attention residuals (DEPTH_MIXERS) attend over depth, not over tokens: no heads
+        found = [item for item in discover(model) if type(_item_core(model, item)).__name__ not in DEPTH_MIXERS]
     except ModelChanged as error:
         raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
-        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (Inkling2's forward fails in float64)
+        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (its forward may fail in float64)
             raise HeadlabError(f"{where}: {OUTPUT_GATES_REFUSED[model_type]}") from None
+        if model_type in PROBE_FAILURES:  # Inkling2 converted to float64 whole: why, not a guess by names
+            raise HeadlabError(f"{where}: {error}: {PROBE_FAILURES[model_type]}") from None
         if named and _ships_with_transformers(model):
             return named
         raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
@@ -367,6 +375,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     candidates = []
     for item in found:
         item_type = _table_type(model, model_type, item)
+        item = _one_run(model, item_type, item)  # Inkling2-Loop's loop layers: each run a depth of its own
         if item.problem and item.gates and _known_gates(item_type, item):
             item = dataclasses.replace(item, problem=None)
         elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
@@ -458,6 +467,26 @@ def _merged(model: nn.Module, item: Discovered) -> Discovered:
         return item
     q, k, v = (paths[0] for paths in item.sources)
     return dataclasses.replace(item, problem=None, q=q, k=k, v=v, probs_index=1)
+
+
+def _one_run(model: nn.Module, model_type: str, item: Discovered) -> Discovered:
+    """A module of a :data:`LOOPED_LAYERS` type that ran as many times as its config runs its decoder layer (a loop
+    layer: once per pass) as one run shows it (:attr:`Discovered.once`), each run to be a block of its own depth
+    (:func:`_looped`); any other item as it is (a module run more times than that stays refused)."""
+    depths_of = LOOPED_LAYERS.get(model_type)
+    if depths_of is None or item.once is None:
+        return item
+    order = depths_of(getattr(model, "config", None))
+    numbers = [int(n) for n in re.findall(r"(?:^|\.)layers\.(\d+)(?=\.|$)", item.name)]
+    if order is None or not numbers or order.count(numbers[-1]) != item.calls:
+        return item
+    problem, gates = item.once
+    return dataclasses.replace(item, problem=problem, gates=gates, once=None)
+
+
+def _item_core(model: nn.Module, item: Discovered) -> nn.Module:
+    module = model.get_submodule(item.name)
+    return module.get_submodule(item.core) if item.core else module
 
 
 def _known_gates(model_type: str, item: Discovered) -> bool:
@@ -555,6 +584,10 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]
         family = dataclasses.replace(family, head_vectors=(*family.head_vectors, f"{path}.{vector}"),
                                      group_holders=(*family.group_holders, holder))
+    if model_type in LRP_REFUSED:  # Inkling2's: parts that no LRP rule covers
+        family = dataclasses.replace(family, lrp_refused=LRP_REFUSED[model_type])
+    if model_type in PRUNING_REFUSED:  # Inkling2's: per-head parts that pruning does not slice
+        family = dataclasses.replace(family, prune_refused=PRUNING_REFUSED[model_type])
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
     if sinks:
@@ -1009,6 +1042,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         idle |= _unfed_cross_attention(blocks) | {b.name for b in blocks if b.family.name in (
             f"{family.name} tower", f"{family.name} cross-attention")}
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
+    blocks = _looped(model, model_type, blocks)  # Inkling2-Loop: a loop layer's module is a block at each depth
     blocks = _towers_numbered_after(model, blocks)
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
     seen: dict[tuple[str, int], AttentionBlock] = {}
@@ -1018,6 +1052,36 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                                f"{block.name}")
         seen[block.key] = block
     return blocks
+
+
+def _looped(model: nn.Module, model_type: Any, blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """A model whose forward runs some decoder layers several times (:data:`LOOPED_LAYERS`: Inkling2-Loop): its
+    language model's blocks, one per decoder layer as discovery found them (numbered by their place in ``layers``),
+    made one block per depth each runs at, in forward order, numbered by depth (transformers' ``output_attentions``
+    lists one map per call, in that order); a module run at several depths is ALBERT's shared module there
+    (``application``: its call in one pass of the text model, ``scope``). Other models' blocks as they are."""
+    depths_of = LOOPED_LAYERS.get(model_type)
+    if depths_of is None:
+        return blocks
+    where = f"{type(model).__name__} (model_type {model_type!r})"
+    order = depths_of(getattr(model, "config", None))
+    running = [b for b in blocks if not b.idle and b.kind == "dec_self"]
+    by_layer = {b.layer: b for b in running}
+    if order is None or len(by_layer) != len(running) or sorted(by_layer) != sorted(set(order)):
+        raise HeadlabError(f"{where}: its attention modules (decoder layers {sorted(by_layer)}) are not the layers its "
+                           f"config runs at each depth ({order}): headlab cannot number its loop's depths")
+    counts = {index: order.count(index) for index in by_layer}
+    calls: dict[int, int] = {}
+    out = [b for b in blocks if all(b is not r for r in running)]
+    for depth, index in enumerate(order):
+        block = by_layer[index]
+        if ".layers." not in block.name:
+            raise HeadlabError(f"{where}: {block.name} is not in a list of decoder layers (layers.N)")
+        scope = model.get_submodule(block.name[:block.name.rindex(".layers.")]) if counts[index] > 1 else None
+        out.append(dataclasses.replace(block, layer=depth, application=calls.get(index, 0),
+                                       applications=counts[index], scope=scope))
+        calls[index] = calls.get(index, 0) + 1
+    return out
 
 
 def _towers_numbered_after(model: nn.Module, blocks: list[AttentionBlock]) -> list[AttentionBlock]:

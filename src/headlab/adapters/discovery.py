@@ -117,6 +117,12 @@ class Discovered:
     """Paths (relative to the block) of the modules of :data:`headlab.adapters.families.HEAD_MAPS` the heads' outputs
     passed through, each head's output mapped alone, on their way to the output projection (NeoMME's
     ``exclusive_self_attention``); empty without one."""
+    calls: int = 1
+    """How many times the module called the attention function in the probe pass."""
+    once: tuple[str | None, tuple[str, ...]] | None = None
+    """With ``calls`` > 1 (then ``problem`` says so): the problem and gates that one call shows, for a model whose
+    forward runs the module at several depths by design (:data:`headlab.adapters.families.LOOPED_LAYERS`:
+    Inkling2-Loop's loop layers), where the adapter numbers each run as a depth; None otherwise."""
 
 
 class _Traced(torch.Tensor):
@@ -737,10 +743,10 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     o_name = names.get(id(call.o)) if call.o is not None else None
     block = calling if o_name is None else _common_ancestor(calling, o_name)
     problem, gated = None, False
-    if n_calls > 1:
-        problem = (f"its forward ran the attention function {n_calls} times in one pass (a module shared by several "
-                   "layers, or one that attends twice): a head is not one layer's head")
-    elif call.key[1] != n_kv or call.key[-1] != d_qk:
+    # a module run several times: refused as such, what one run shows kept for a model whose loop headlab numbers
+    repeated = (f"its forward ran the attention function {n_calls} times in one pass (a module shared by several "
+                "layers, or one that attends twice): a head is not one layer's head") if n_calls > 1 else None
+    if call.key[1] != n_kv or call.key[-1] != d_qk:
         problem = f"keys {list(call.key)} do not match queries {list(call.query)} and values {list(call.value)}"
     elif n_kv == 0 or n_heads % n_kv:
         problem = f"{n_heads} query heads do not group over {n_kv} key/value heads"
@@ -808,10 +814,11 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     if None in head_maps and problem is None:
         problem = (f"the per-head map its heads' outputs pass through, {type(call.head_norms[0]).__name__}, lies "
                    "outside the attention layer")
+    gates = tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else ()
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
-                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0, kv_from,
-                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm, traced,
-                      tuple(p for p in head_maps if p is not None))
+                      _relative(block, o_name), q, k, v, repeated or problem, call.probs_index or 0, kv_from,
+                      () if repeated else gates, sub_norm, traced, tuple(p for p in head_maps if p is not None),
+                      calls=n_calls, once=(problem, gates) if repeated else None)
 
 
 def _source_paths(block: str, sources: tuple[frozenset, ...], names: dict[int, str]) -> tuple[tuple[str, ...], ...]:

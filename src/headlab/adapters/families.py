@@ -205,6 +205,8 @@ class Family:
     """The projection (path relative to ``core``) that reads the output projection's output and gives the layer's
     (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
+    prune_refused: str = ""
+    """Why physical pruning refuses this block where LRP may not ('' elsewhere: Inkling2's, :data:`PRUNING_REFUSED`)."""
     output_calls: int = 1
     """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
     global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
@@ -499,7 +501,8 @@ OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",)),
     **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",)),
     **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], ("gate_proj",)),
-    "neomme": ("output_projection.gate_proj",)}
+    "neomme": ("output_projection.gate_proj",),
+    **dict.fromkeys(["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"], ("o_proj.gate_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -573,6 +576,17 @@ DeltaNet (``linear_attn``) is: headlab analyses the model's attention layers and
 (before session 38 their names made them look like attention that skipped the interface, and the model was refused).
 LRP through them: :mod:`headlab.importance.mixer_rules.kda`."""
 
+DEPTH_MIXERS: frozenset[str] = frozenset({"Inkling2BlockAttentionResidual", "Inkling2LoopBlockAttentionResidual",
+                                         "Inkling2LoopMessageAttentionResidual"})
+"""Classes of transformers' own modules that call the attention interface but attend over depth, not over tokens:
+Inkling2's block attention residuals (``Inkling2BlockAttentionResidual``: a decoder layer's ``attention_input``,
+``mlp_input`` and the text model's ``final_input``; read in transformers 5.24). At each position, one to three learned
+queries (no projection, the same at every position) attend over that position's states at the earlier block
+boundaries and the current partial state, ``stacked_states`` viewed ``[batch, seq, blocks, hidden]`` and handed to the
+function as ``[batch, "heads", queries, hidden]``: the function's "heads" are the sequence's positions, its keys the
+depths. They have no heads and no map over the input's tokens: discovery leaves them out (they are a part of the
+residual stream, as a hybrid's other mixers are), so they never claim a layer number of the model's attention."""
+
 GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
 
 
@@ -625,31 +639,86 @@ def neomme_gate(core: Any) -> GateRows:
     return (("output_projection.gate_proj", ("head_dim",)),), ()
 
 
+def inkling2_gate(core: Any) -> GateRows:
+    """Inkling2 (``Inkling2SlidingAttention``, ``Inkling2FullAttention``): ``o_proj`` (``Inkling2GatedOutputProjection``)
+    computes ``linear(attn_output * sigmoid(gate_proj(hidden_states)))``, ``attn_output`` the attention function's output
+    reshaped ``[batch, seq, heads * head_dim]`` and ``gate_proj`` hidden -> heads x head_dim: head h's gate is rows
+    ``h * head_dim ..``. Its other per-head rows (``sink_proj``, ``relative_position_bias``) and its key/value short
+    convolutions are not sliced: physical pruning of Inkling2 is refused (:data:`PRUNING_REFUSED`)."""
+    return (("o_proj.gate_proj", ("head_dim",)),), ()
+
+
 QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
     "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate,
     **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate),
     # Muse Glimmer (MuseGlimmerTextAttention): AFMoE's, the output [batch, seq, heads * head_dim] times
     # sigmoid(gate_proj(hidden_states)), hidden -> heads x head_dim
     **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], afmoe_gate),
-    "neomme": neomme_gate}
+    "neomme": neomme_gate,
+    **dict.fromkeys(["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"], inkling2_gate)}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output
 only. Empty rows where a module has no gate (LFM3 without ``use_attention_gate``); a gate that discovery sees where
 the function gives no rows is refused (:func:`headlab.adapters.attention_blocks`)."""
 
-OUTPUT_GATES_REFUSED: dict[str, str] = {
-    **dict.fromkeys(
-        ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
-        "its o_proj.gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
-        "heads apart, but its attention adds attention sinks computed from the layer's input (sink_proj, one logit "
-        "per head and position), a relative position bias per head computed from the layer's input "
-        "(relative_position_bias), short convolutions over the key and value channels (dynamic, from the layer's "
-        "input, in its full-attention layers), and its layers read block attention residuals (learned queries "
-        "attending over earlier blocks' states; Inkling2-Loop also runs its loop layers several times, mixing "
-        "messages in with gates): headlab has not checked these"),
-}
-"""Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
+OUTPUT_GATES_REFUSED: dict[str, str] = {}
+"""Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own (none since session 40:
+Inkling2 and Inkling2-Loop, listed from session 28 to 39, are analysed and masked)."""
+
+def inkling2_loop_depths(config: Any) -> list[int] | None:
+    """The decoder layer (its index in ``layers``) run at each depth of Inkling2-Loop's forward, in order
+    (``Inkling2LoopTextModel.forward``, transformers 5.24): the layers before ``loop_layer_index_start``, then
+    ``loop_num_passes`` passes over the loop layers (``loop_layer_index_start`` .. ``loop_layer_index_end``), then the
+    rest; None where the config does not give them as ints."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = [getattr(text, name, None) for name in (
+        "loop_layer_index_start", "loop_layer_index_end", "loop_num_passes", "num_hidden_layers")]
+    numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(numbers) != len(values):
+        return None
+    start, end, passes, layers = numbers
+    return [*range(start), *list(range(start, end)) * passes, *range(end, layers)]
+
+
+LOOPED_LAYERS: dict[str, Callable[[Any], list[int] | None]] = dict.fromkeys(
+    ["inkling2_loop_text", "inkling2_loop"], inkling2_loop_depths)
+"""Model types whose forward runs some decoder layers several times (Inkling2-Loop's loop layers, each pass with
+messages of the previous one mixed into its input through gates, and its own cache layers): with the decoder layer
+run at each depth, in forward order. One attention module is then one block per depth it runs at (ALBERT's shared
+layers: ``AttentionBlock.application``), numbered by depth as transformers' ``output_attentions`` lists its calls;
+capture, masking and gates act on that call only. A module run at one depth stays one block, numbered by its depth."""
+
+PROBE_FAILURES: dict[str, str] = dict.fromkeys(
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
+    "Inkling2 keeps modules in float32 (its _keep_in_fp32_modules_strict: the routers' weights, the short "
+    "convolutions, the block attention residuals' queries) and its forward mixes their float32 products with the "
+    "other weights' dtype: a model converted whole (model.double()) fails there; load it in float64 with "
+    "transformers' dtype= (from_pretrained, from_config), which keeps them in float32")
+"""Model types found only by discovery's probe forward: where it fails, the model is refused with this (what makes
+their forward fail as built), not guessed by the names of its projections (before: "cannot read the output width of
+Inkling2QueryProjection")."""
+
+PRUNING_REFUSED: dict[str, str] = dict.fromkeys(
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
+    "besides the rows of its q, k, v, o and gate projections, each head owns a row of its query norm's scale "
+    "(q_proj.norm.scale), a row of sink_proj, d_rel rows of "
+    "relative_position_bias.linear and a row of its norm's scale, and each key/value head channels of the key and "
+    "value short convolutions (k_proj.sconv, v_proj.sconv: a depthwise Conv1d in the sliding-window layers, static "
+    "taps and weight_proj rows per key/value head in the full-attention layers, their states in the cache), which "
+    "physical pruning does not slice (Inkling's k_sconv/v_sconv are refused so too)")
+"""Model types whose attention is analysed and masked but not physically pruned, with why (``Family.prune_refused``
+of every block discovery finds in them): refused before any work."""
+
+LRP_REFUSED: dict[str, str] = dict.fromkeys(
+    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
+    "Inkling2's attention is analysed and masked, but LRP has no rule checked for two of its parts: its block attention "
+    "residuals (attention_input, mlp_input, final_input: learned queries attending, at each position, over the "
+    "states at earlier block boundaries, which mix the residual stream over depth with weights computed from it) "
+    "and its full-attention layers' dynamic key/value short convolutions (Inkling2DynamicShortConvolution: taps "
+    "static_weight + weight_proj(the layer's input), where Inkling's rule covers a static u + conv(u) only)")
+"""Model types whose attention is analysed (and masked) but whose LRP is refused before any work, with why
+(``Family.lrp_refused`` of every block discovery finds in them)."""
 
 
 def unpruned_latent_reason(family: Family, core: Any) -> str | None:
