@@ -60,6 +60,8 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,9 +70,10 @@ import transformers as tf
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
 from headlab.adapters.families import causal_on_token_ids, rows_per_head
-from headlab.importance.lrp import CONSERVATION_TOLERANCE, lrp_precision
+from headlab.importance.lrp import CONSERVATION_TOLERANCE, _widened, lrp_precision
 from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
+from headlab.prune_check import tolerance as prune_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # the survey's sizes, builder and loop over the model types (one copy of each)
@@ -457,6 +460,48 @@ ZERO = "sweep_zero_heads"  # the attention function of the mask check's referenc
 VARIANT: dict = {}  # config attributes every build sets (experiments/variant_sweep.py: one flag at a time)
 CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
 MULTIMODAL = False  # --multimodal: the types whose only text-generating class is an image-text-to-text wrapper
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two ways to the same numbers may lie apart: ``atol``, plus for attention maps ``map_rtol`` times each
+    reference weight, plus for logits ``logit_rel`` times the reference's largest magnitude (at least 1)."""
+
+    atol: float
+    map_rtol: float = 0.0
+    logit_rel: float = 0.0
+
+    def at_least(self, atol: float) -> Tolerance:
+        return replace(self, atol=max(self.atol, atol))
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """The sweep's bounds in ``dtype``. float64 and float32: the sweep's own, 1e-9 and 1e-5 absolute.
+
+    Half precision (``--dtype bfloat16`` / ``float16``) reuses the bounds the library and its tests already hold half
+    precision to, none new. Each check compares two ways to the same numbers (SDPA's weights and eager's, a gate at
+    zero and the heads' outputs or values zeroed, a sliced model and a masked one): they differ by the rounding of
+    reordered sums, a few eps per operation carried through the layers after it, where a wrong head moves a result
+    by that head's contribution.
+
+    * attention maps (capture): torch.testing.assert_close's defaults for the dtype, as tests/test_cuda_families.py
+      compares a bfloat16 capture with output_attentions: ``|a - b| <= 1e-5 + rtol * |b|``, rtol 1.6e-2 for
+      bfloat16 (2 eps), 1e-3 for float16 (1 eps);
+    * logits (mask, prune): headlab.prune_check.tolerance, the bound prune_heads checks itself against in the
+      model's dtype (and tests/test_cuda_families.py's pruning bound): ``sqrt(eps) * max(|reference|, 1)``, 0.088
+      for bfloat16, 0.031 for float16;
+    * gates at one: equal to the bit, in every dtype (a gate of one multiplies exactly);
+    * LRP: run in the precision the library picks for the model (``importance.lrp.lrp_precision``: compute_lrp
+      widens a half-precision model, its weights unchanged) and held to the bound of that precision's run.
+    """
+    if dtype in HALF:
+        from torch.testing._comparison import default_tolerances
+
+        rtol, atol = default_tolerances(dtype)
+        return Tolerance(atol, map_rtol=rtol, logit_rel=prune_tolerance(dtype))
+    return Tolerance(1e-9 if dtype == torch.float64 else 1e-5)
 
 
 class Timeout(Exception):
@@ -607,11 +652,21 @@ def logits(model, inputs) -> torch.Tensor:
         return model(**inputs, **teacher_forced(model)).logits
 
 
-def close(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float]:
+def close(a: torch.Tensor, b: torch.Tensor, atol: float | Tolerance, kind: str = "logits") -> tuple[bool, float]:
+    """Whether ``a`` is ``b`` within the tolerance (a float: an absolute bound), and their largest difference (NaN or
+    inf in either, unless equal, counts as an infinite difference: never accepted)."""
     if a.shape != b.shape:
         return False, float("inf")
-    diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
-    return diff <= atol, diff
+    if not a.numel():
+        return True, 0.0
+    tol = atol if isinstance(atol, Tolerance) else Tolerance(atol)
+    a, b = a.double(), b.double()
+    diff = torch.where(a == b, 0.0, (a - b).abs().nan_to_num(nan=float("inf")))
+    if kind == "maps":  # element by element, relative to the reference's weight (torch.testing.assert_close's rule)
+        bound = tol.atol + tol.map_rtol * b.abs()
+    else:  # relative to the reference's largest magnitude, at least 1 (headlab.prune_check's rule)
+        bound = torch.tensor(tol.atol + tol.logit_rel * max(b.abs().nan_to_num(posinf=0, neginf=0).max().item(), 1.0))
+    return bool((diff <= bound).all()), diff.max().item()
 
 
 def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
@@ -667,7 +722,7 @@ def check_idle(model, blocks, inputs) -> list[str]:
     return [f"{len(idle)} idle ({', '.join(sorted({b.kind for b in idle}))})"] if idle else []
 
 
-def check_capture(eager, model, blocks, inputs, atol) -> None:
+def check_capture(eager, model, blocks, inputs, atol: Tolerance) -> None:
     reference, derived = reference_maps(eager, inputs)
     with capture_attention(model) as record:
         logits(model, inputs)
@@ -692,7 +747,7 @@ def check_capture(eager, model, blocks, inputs, atol) -> None:
         for key, i in zip(keys, indices):
             reference_map = maps[i]
             # a map worked out in float64 from a float32 softmax and sink scale (Granite-SWA's): float32's precision
-            ok, diff = close(record[key], reference_map, max(atol, 1e-6) if i in derived else atol)
+            ok, diff = close(record[key], reference_map, atol.at_least(1e-6) if i in derived else atol, "maps")
             if not ok:
                 what = "the weights the values get (output_attentions, sinks)" if i in derived else "output_attentions"
                 raise Fail("capture", f"{key} differs from {what} by {diff:.3g}")
@@ -797,7 +852,7 @@ def value_rows(block, kv_head: int):
             block.module.get_submodule(path).weight[kv_head * width:(kv_head + 1) * width] = 0
 
 
-def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
+def check_mask(make, blocks, inputs, atol: Tolerance, implementation) -> list[str]:
     notes = []
     targets = {}
     for block in blocks:
@@ -886,7 +941,7 @@ def check_gates(model, inputs) -> None:
         raise Fail("gates", "hooks left behind")
 
 
-def check_prune(model, blocks, inputs, atol) -> str | None:
+def check_prune(model, blocks, inputs, atol: Tolerance) -> str | None:
     from headlab import prune_heads
 
     spec: dict[tuple[str, int], list[int]] = {}
@@ -911,7 +966,9 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
     return None
 
 
-def check_lrp(model, blocks) -> str | None:
+def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
+    """Conservation on a bias-free copy; ``widen``: the precision a half-precision model is computed in, as
+    compute_lrp widens it (its redrawn weights rounded to the model's dtype first, as a user's are)."""
     from headlab.capture import eager_attention
     from headlab.importance.rules import altup_inputs, check_rules, lrp_rules, per_layer_embeddings
 
@@ -944,17 +1001,22 @@ def check_lrp(model, blocks) -> str | None:
                 for e in per_layer_embeddings(model)]
     # a module that returns float32 in a float64 run (Beam's MLP evaluates act(gate) * up in float32, whatever the
     # model's dtype): its rounding, amplified by relevances that cancel across a layer, is float32's, not float64's
+    # (and, in a widened half-precision model, a module that returns its original dtype: half precision's rounding)
     narrow: list[str] = []
-    if next(model.parameters()).dtype == torch.float64:
-        handles += [m.register_forward_hook(lambda module, args, output: narrow.append(type(module).__name__)
-                                            if isinstance(output, torch.Tensor) and output.dtype == torch.float32
-                                            else None) for m in model.modules()]
+    run = widen or next(model.parameters()).dtype
+    if run == torch.float64 or widen is not None:
+        def narrower(module, args, output) -> None:
+            if isinstance(output, torch.Tensor) and output.is_floating_point() \
+                    and torch.finfo(output.dtype).bits < torch.finfo(run).bits:
+                narrow.append(f"{type(module).__name__} in {str(output.dtype).removeprefix('torch.')}")
+        handles += [m.register_forward_hook(narrower) for m in model.modules()]
     head_out: list[torch.Tensor] = []  # the LM head's output: a cap in the config that the class never applies
     if isinstance(head := model.get_output_embeddings(), torch.nn.Module):
         handles.append(head.register_forward_hook(lambda module, args, output: head_out.append(output)))
     ids = torch.randint(3, 99, (1, 7), generator=torch.Generator().manual_seed(1))
     try:
-        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+        with _widened(model, widen) if widen else nullcontext(), torch.enable_grad(), eager_attention(model), \
+                lrp_rules(model):
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
             grads = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer])
@@ -979,7 +1041,7 @@ def check_lrp(model, blocks) -> str | None:
     rtol = CONSERVATION_TOLERANCE if narrow else 1e-4
     if abs(total - want) > rtol * abs(want) + 1e-5:
         raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}")
-    return f"lrp: {', '.join(sorted(set(narrow)))} in float32 (conserved to {abs(total / want - 1):.1g}, " \
+    return f"lrp: {', '.join(sorted(set(narrow)))} (conserved to {abs(total / want - 1):.1g}, " \
            f"within {rtol:g})" if narrow else None
 
 
@@ -992,8 +1054,9 @@ def as_analysed(model):
         return model
 
 
-def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
-    """(outcome, check, message)."""
+def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = torch.float64) -> tuple[str, str, str]:
+    """(outcome, check, message); ``requested``: the dtype the model is built in (float64: float32 where the model does
+    not run in float64)."""
     cls = model_class(config_class)
     if cls is None:
         return "", "", ""
@@ -1001,7 +1064,7 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         return "skipped", "n/a", SKIPPED[model_type]
     if required := required_inputs(cls):  # InstructBLIP's pixel_values: refused before any work, whatever the sizes
         return "refused", "inputs", f"{cls.__name__}.forward requires {', '.join(required)}"
-    eager, why = build(config_class, cls, "eager", torch.float64)
+    eager, why = build(config_class, cls, "eager", requested)
     if eager is None:
         return "skipped", "build", why
     if problem := token_ids_problem(eager):  # an image on every forward (BLIP-2, Kosmos-2): refused before any work
@@ -1009,24 +1072,28 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
     # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
     implementation = "sdpa" if cls._supports_sdpa and not causal_on_token_ids(eager.config) \
-        and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
-    dtype, atol = torch.float64, 1e-9
+        and build(config_class, cls, "sdpa", requested)[0] else "eager"
+    dtype = requested
     inputs = inputs_for(eager)
     try:
         logits(eager, inputs)
-    except Exception:  # noqa: BLE001 - float64 not supported: float32
+    except Exception as error:  # noqa: BLE001 - float64 not supported: float32
+        if requested != torch.float64:
+            return "skipped", "forward", f"its own forward fails in {str(requested)[6:]} at these sizes " \
+                                         f"({type(error).__name__}: {error})"[:200]
         eager, _ = build(config_class, cls, "eager", torch.float32)
-        dtype, atol = torch.float32, 1e-5
+        dtype = torch.float32
         try:
             logits(eager, inputs)
         except Exception as error:  # noqa: BLE001
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
+    atol = tolerance_for(dtype)
 
     def make(impl: str = implementation):
         return as_analysed(build(config_class, cls, impl, dtype)[0])
 
     eager = as_analysed(eager)
-    notes: list[str | None] = [] if dtype == torch.float64 else ["float32"]
+    notes: list[str | None] = [] if dtype == requested else ["float32"]
     if eager is not None and not isinstance(eager, cls):  # MiniCPM-V's: what load_model gives for its checkpoint
         notes.append(f"the language model of {cls.__name__} (headlab.language_model_of)")
     step = "blocks"
@@ -1049,12 +1116,16 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         check_gates(model, inputs)
         step = "prune"
         single = dtype == torch.float32 or float32_attention(model)
-        notes.append(check_prune(make(), blocks, inputs, max(atol, 1e-6 if single else 1e-9)))
+        notes.append(check_prune(make(), blocks, inputs, atol.at_least(1e-6 if single else 1e-9)))
         step = "lrp"
         lrp_model = make()
-        # widened as compute_lrp widens it (lrp_rules runs the experts' eager loop, which takes float64)
-        notes.append(check_lrp(lrp_model.double() if dtype == torch.float64 or lrp_precision(lrp_model) == torch.float64
-                               else lrp_model, blocks))
+        # widened as compute_lrp widens it (lrp_rules runs the experts' eager loop, which takes float64); a
+        # half-precision model in its own dtype, widened inside check_lrp after its weights are redrawn
+        if dtype in HALF:
+            notes.append(check_lrp(lrp_model, blocks, widen=lrp_precision(lrp_model)))
+        else:
+            notes.append(check_lrp(lrp_model.double() if dtype == torch.float64
+                                   or lrp_precision(lrp_model) == torch.float64 else lrp_model, blocks))
     except Fail as error:
         return "FAIL", error.check, str(error)
     except HeadlabError as error:
@@ -1117,13 +1188,17 @@ def main() -> None:
     parser.add_argument("--multimodal", action="store_true",
                         help="instead, the types whose only text-generating class is an AutoModelForImageTextToText "
                              "wrapper, run on token ids (their towers idle)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float64",
+                        help="the dtype the models are built in (float64: float32 where a model does not run in it); "
+                             "half precision checked with its own tolerances (tolerance_for)")
     args = parser.parse_args()
     global CAUSAL_FIRST, MULTIMODAL
     CAUSAL_FIRST, MULTIMODAL = args.causal_first, args.multimodal
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()
-    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout), only=args.only,
+    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout, DTYPES[args.dtype]),
+              only=args.only,
               timeout=args.timeout, columns=2,
               skip=lambda model_type: "matrix" if model_type in in_matrix and not args.all and not args.only else "")
 
