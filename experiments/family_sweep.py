@@ -627,7 +627,27 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
                 parameter.add_(torch.randn_like(parameter))
             elif name.endswith(ZERO_INITIALISED.get(config_class.model_type, ())):
                 parameter.add_(torch.randn_like(parameter) * 0.5)
-    return model.to(dtype), ""
+    return as_loaded(model, dtype), ""
+
+
+def as_loaded(model, dtype: torch.dtype):
+    """``model`` in ``dtype`` as ``from_pretrained(..., dtype=dtype)`` gives it (what load_model hands headlab): cast,
+    except the parameters its class keeps in float32 in half precision (``_keep_in_fp32_modules_strict``, and
+    ``_keep_in_fp32_modules`` in float16: transformers' ``_get_dtype_plan``, matched as its loader matches them),
+    and ``config.dtype`` set, its sub-configs' too."""
+    model.to(dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation
+
+        pattern, groups, _ = build_glob_alternation(list(plan))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and (found := pattern.search(name)) is not None:
+                tensor.data = tensor.data.to(plan[groups[found.lastgroup]])
+    for config in (model.config, *(getattr(model.config, key, None) for key in model.config.sub_configs)):
+        if config is not None:
+            config.dtype = dtype
+    return model
 
 
 def inputs_for(model) -> dict:
@@ -1078,9 +1098,13 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
     try:
         logits(eager, inputs)
     except Exception as error:  # noqa: BLE001 - float64 not supported: float32
-        if requested != torch.float64:
-            return "skipped", "forward", f"its own forward fails in {str(requested)[6:]} at these sizes " \
-                                         f"({type(error).__name__}: {error})"[:200]
+        if requested != torch.float64:  # what headlab does with a model that does not run in this dtype
+            fails = f"its own forward fails in {str(requested)[6:]} ({type(error).__name__}: {error})"
+            try:
+                attention_blocks(as_analysed(eager))
+            except HeadlabError as refusal:
+                return "refused", "blocks", f"{str(refusal).splitlines()[0][:200]} ({fails[:100]})"
+            return "skipped", "forward", fails[:200]
         eager, _ = build(config_class, cls, "eager", torch.float32)
         dtype = torch.float32
         try:
