@@ -70,7 +70,7 @@ import transformers as tf
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
 from headlab.adapters.families import causal_on_token_ids, rows_per_head
-from headlab.importance.lrp import CONSERVATION_TOLERANCE, _widened, lrp_precision
+from headlab.importance.lrp import CONSERVATION_TOLERANCE, _KeptWide, _widened, lrp_precision
 from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
 from headlab.prune_check import tolerance as prune_tolerance
@@ -642,7 +642,7 @@ def as_loaded(model, dtype: torch.dtype):
 
         pattern, groups, _ = build_glob_alternation(list(plan))
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.is_floating_point() and (found := pattern.search(name)) is not None:
+            if tensor.is_floating_point() and (found := pattern.search(name)) is not None and found.lastgroup:
                 tensor.data = tensor.data.to(plan[groups[found.lastgroup]])
     for config in (model.config, *(getattr(model.config, key, None) for key in model.config.sub_configs)):
         if config is not None:
@@ -952,6 +952,36 @@ def _attention_configs(model):
     return attention_configs(model)
 
 
+def check_own_nonfinite(make, blocks, inputs, own: torch.Tensor) -> str:
+    """What headlab does with a model whose own logits (unmodified, before headlab does anything) are NaN or inf on
+    the inputs: capture and pruning must refuse, naming it, never hand out maps or a pruned model computed from NaN
+    (a Fail where they do); the row's message says where the model's own NaN lies and both refusals."""
+    rows = sorted({int(r) for r in (~own.isfinite()).nonzero()[:, 0]})
+    padded = [r for r in rows if not bool(inputs["attention_mask"][r].all())]
+    found = [f"its own logits are NaN or inf in {str(own.dtype)[6:]} in rows {rows} ({len(padded)} of them padded)"]
+    model = make()
+    try:
+        with capture_attention(model) as record:
+            logits(model, inputs)
+    except HeadlabError as error:
+        found.append(f"capture refused: {str(error).splitlines()[0][:160]}")
+    else:
+        if any(not maps.isfinite().all() for maps in record.values()):
+            raise Fail("capture", f"{found[0]}, and capture returned NaN or inf maps without refusing")
+        found.append("capture: every map finite (the NaN arises after the attention)")
+    spec = {b.key: [b.n_heads - 1] for b in blocks[:1] if b.n_heads >= 2}
+    if spec:
+        from headlab import prune_heads
+
+        try:
+            prune_heads(make(), spec)
+        except HeadlabError as error:
+            found.append(f"prune refused: {str(error).splitlines()[0][:160]}")
+        else:
+            raise Fail("prune", f"{found[0]}, and prune_heads accepted a pruning it could not compare there")
+    return "; ".join(found)
+
+
 def check_gates(model, inputs) -> None:
     before = logits(model, inputs)
     with gates_attached(model, ScalarGates.for_model(model)):
@@ -1037,7 +1067,10 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
     try:
         with _widened(model, widen) if widen else nullcontext(), torch.enable_grad(), eager_attention(model), \
                 lrp_rules(model):
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            # widened, the forward runs as compute_lrp runs it (importance.lrp.head_relevance): transformers' own
+            # narrowings (.float(), float32 norms and softmax) kept at the widened precision
+            with _KeptWide(widen) if widen else nullcontext():
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
             grads = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer])
     finally:
@@ -1060,7 +1093,8 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
     # float32 inside: compute_lrp's own tolerance (importance.lrp.CONSERVATION_TOLERANCE, recorded with every run)
     rtol = CONSERVATION_TOLERANCE if narrow else 1e-4
     if abs(total - want) > rtol * abs(want) + 1e-5:
-        raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}")
+        raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}"
+                          + (f" ({', '.join(sorted(set(narrow)))})" if narrow else ""))
     return f"lrp: {', '.join(sorted(set(narrow)))} (conserved to {abs(total / want - 1):.1g}, " \
            f"within {rtol:g})" if narrow else None
 
@@ -1104,7 +1138,8 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
                 attention_blocks(as_analysed(eager))
             except HeadlabError as refusal:
                 return "refused", "blocks", f"{str(refusal).splitlines()[0][:200]} ({fails[:100]})"
-            return "skipped", "forward", fails[:200]
+            return "skipped", "forward", f"{fails[:200]}: transformers' own (attention_blocks finds its blocks; " \
+                                         "every run fails as the model's forward does)"
         eager, _ = build(config_class, cls, "eager", torch.float32)
         dtype = torch.float32
         try:
@@ -1132,6 +1167,9 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         step = "idle"
         notes += check_idle(model, blocks, inputs)
         blocks = [b for b in blocks if not b.idle]
+        if not (own := logits(eager, inputs)).isfinite().all():  # transformers' own NaN (LongT5 in float16)
+            step = "capture"
+            return "refused-late", "capture", check_own_nonfinite(make, blocks, inputs, own)
         step = "capture"
         check_capture(eager, model, blocks, inputs, atol)
         step = "mask"
