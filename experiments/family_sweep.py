@@ -1069,6 +1069,7 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
                 lrp_rules(model):
             # widened, the forward runs as compute_lrp runs it (importance.lrp.head_relevance): transformers' own
             # narrowings (.float(), float32 norms and softmax) kept at the widened precision
+            narrow.clear()  # the explained forward's only, not lrp_rules' probes of single modules
             with _KeptWide(widen) if widen else nullcontext():
                 out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
