@@ -43,10 +43,16 @@ builder and the walk over the model types are benchmarks/survey_families.py's, i
 ``AutoModelForImageTextToText`` wrapper (Qwen3-VL, Mistral3, PaliGemma, Idefics3, InternVL, ...), on token ids, their
 towers idle: a composite config gets the tiny sizes in its ``text_config`` and its vision tower at its smallest.
 experiments/variant_sweep.py (session 39) runs these checks per config variant (``VARIANT``: flags set in every build).
+``--dtype bfloat16`` / ``float16`` (session 40) builds every model in half precision as ``from_pretrained(dtype=...)``
+gives it (:func:`as_loaded`: the parameters its class keeps in float32 kept so) and holds each check to the bound the
+library already uses for that dtype (:func:`tolerance_for`); LRP runs as compute_lrp runs it (widened to
+``lrp_precision``, its forward under ``_KeptWide``). A model whose own logits are NaN or inf in the dtype (LongT5 in
+float16) is ``refused-late`` when capture and pruning both refuse it (``check_own_nonfinite``), FAIL where either
+accepts it; one whose own forward fails in the dtype is ``refused`` where attention_blocks refuses it, else ``skipped``.
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
-        [--multimodal]
+        [--multimodal] [--dtype {float64,float32,bfloat16,float16}]
 """
 
 from __future__ import annotations
