@@ -1106,6 +1106,36 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
            f"within {rtol:g})" if narrow else None
 
 
+def check_compute_lrp(model) -> str | None:
+    """compute_lrp as a user calls it on the half-precision model (its weights and biases as built, three padded
+    sentences): its own conservation check passes (a RunFailed is a FAIL: the rules conserved in check_lrp), every
+    score is finite, and the model comes back in its own dtype to the bit; a refusal before any work is a note."""
+    from headlab.errors import RunFailed
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None  # as check_lrp: not checked
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    try:
+        info = describe_model(model)
+        eos = min(info.eos_ids) if info.eos_ids else 1
+        g = torch.Generator().manual_seed(0)
+        data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [eos] for k in (4, 6, 8)])
+        scores = compute_lrp(model, data, info, bootstrap=0)
+    except RunFailed as error:
+        raise Fail("lrp", f"compute_lrp: {str(error).splitlines()[0][:250]}") from error
+    except HeadlabError as error:
+        return f"compute_lrp refused: {str(error).splitlines()[0][:150]}"
+    after = model.state_dict()
+    if any(after[name].dtype != tensor.dtype or not torch.equal(after[name], tensor) for name, tensor in before.items()):
+        raise Fail("lrp", "compute_lrp did not give the model back as it was (dtype or values)")
+    for block in attention_blocks(model):  # every head's score finite (NaN marks only where no head is)
+        if block.n_heads and not block.idle and block.kind in scores.scores and \
+                not all(math.isfinite(v) for v in scores.scores[block.kind][block.layer, :block.n_heads].tolist()):
+            raise Fail("lrp", f"compute_lrp returned non-finite scores for {block.key}")
+    return None
+
+
 def as_analysed(model):
     """The model the checks run on: a multimodal wrapper headlab refuses whole but whose language model it supports
     gives that language model (headlab.language_model.analysed_model, as load_model does); any other, itself."""
@@ -1192,6 +1222,7 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         # half-precision model in its own dtype, widened inside check_lrp after its weights are redrawn
         if dtype in HALF:
             notes.append(check_lrp(lrp_model, blocks, widen=lrp_precision(lrp_model)))
+            notes.append(check_compute_lrp(make()))
         else:
             notes.append(check_lrp(lrp_model.double() if dtype == torch.float64
                                    or lrp_precision(lrp_model) == torch.float64 else lrp_model, blocks))
