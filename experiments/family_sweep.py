@@ -46,7 +46,8 @@ experiments/variant_sweep.py (session 39) runs these checks per config variant (
 ``--dtype bfloat16`` / ``float16`` (session 40) builds every model in half precision as ``from_pretrained(dtype=...)``
 gives it (:func:`as_loaded`: the parameters its class keeps in float32 kept so) and holds each check to the bound the
 library already uses for that dtype (:func:`tolerance_for`); LRP runs as compute_lrp runs it (widened to
-``lrp_precision``, its forward under ``_KeptWide``). A model whose own logits are NaN or inf in the dtype (LongT5 in
+``lrp_precision``, its forward under ``_KeptWide``), and compute_lrp itself runs on the half-precision model as a user
+calls it (:func:`check_compute_lrp`). A model whose own logits are NaN or inf in the dtype (LongT5 in
 float16) is ``refused-late`` when capture and pruning both refuse it (``check_own_nonfinite``), FAIL where either
 accepts it; one whose own forward fails in the dtype is ``refused`` where attention_blocks refuses it, else ``skipped``.
 

@@ -76,3 +76,12 @@ def test_a_model_whose_own_logits_are_nan_is_reported_by_what_headlab_does():
     assert (outcome, check) == ("refused-late", "capture"), message
     assert "its own logits are NaN or inf in float16 in rows [1]" in message
     assert "capture refused" in message and "prune refused" in message
+
+
+def test_compute_lrp_is_checked_as_a_user_calls_it():
+    # on the bfloat16 model as built (biases kept): its own conservation check, finite scores, the model given back
+    model = _build("llama", torch.bfloat16, "sdpa")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert sweep.check_compute_lrp(model) is None
+    assert all(torch.equal(before[name], tensor) and tensor.dtype == before[name].dtype
+               for name, tensor in model.state_dict().items())
