@@ -85,3 +85,16 @@ def test_compute_lrp_is_checked_as_a_user_calls_it():
     assert sweep.check_compute_lrp(model) is None
     assert all(torch.equal(before[name], tensor) and tensor.dtype == before[name].dtype
                for name, tensor in model.state_dict().items())
+
+
+def test_compute_lrp_check_pads_inside_the_tiny_vocabulary():
+    # Idefics3's wrapper config keeps the real checkpoint's pad id (128002) over the tiny vocabulary of 99: the first
+    # multimodal bfloat16 sweep read CRASH (IndexError in the embedding) at lrp, an artefact of the tiny build
+    config_class = CONFIG_MAPPING["idefics3"]
+    sweep.MULTIMODAL = True
+    try:
+        cls = sweep.model_class(config_class)
+    finally:
+        sweep.MULTIMODAL = False
+    model = sweep.as_analysed(sweep.build(config_class, cls, "eager", torch.bfloat16)[0])
+    assert sweep.check_compute_lrp(model) is None
