@@ -43,10 +43,17 @@ builder and the walk over the model types are benchmarks/survey_families.py's, i
 ``AutoModelForImageTextToText`` wrapper (Qwen3-VL, Mistral3, PaliGemma, Idefics3, InternVL, ...), on token ids, their
 towers idle: a composite config gets the tiny sizes in its ``text_config`` and its vision tower at its smallest.
 experiments/variant_sweep.py (session 39) runs these checks per config variant (``VARIANT``: flags set in every build).
+``--dtype bfloat16`` / ``float16`` (session 40) builds every model in half precision as ``from_pretrained(dtype=...)``
+gives it (:func:`as_loaded`: the parameters its class keeps in float32 kept so) and holds each check to the bound the
+library already uses for that dtype (:func:`tolerance_for`); LRP runs as compute_lrp runs it (widened to
+``lrp_precision``, its forward under ``_KeptWide``), and compute_lrp itself runs on the half-precision model as a user
+calls it (:func:`check_compute_lrp`). A model whose own logits are NaN or inf in the dtype (LongT5 in
+float16) is ``refused-late`` when capture and pruning both refuse it (``check_own_nonfinite``), FAIL where either
+accepts it; one whose own forward fails in the dtype is ``refused`` where attention_blocks refuses it, else ``skipped``.
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
-        [--multimodal]
+        [--multimodal] [--dtype {float64,float32,bfloat16,float16}]
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,9 +78,10 @@ from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attenti
 from headlab.adapters import config_value, is_linear
 from headlab.adapters.big_bird import block_sparse_probe
 from headlab.adapters.families import causal_on_token_ids, rows_per_head
-from headlab.importance.lrp import CONSERVATION_TOLERANCE, lrp_precision
+from headlab.importance.lrp import CONSERVATION_TOLERANCE, _KeptWide, _widened, lrp_precision
 from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
+from headlab.prune_check import tolerance as prune_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # the survey's sizes, builder and loop over the model types (one copy of each)
@@ -481,6 +491,48 @@ ZERO = "sweep_zero_heads"  # the attention function of the mask check's referenc
 VARIANT: dict = {}  # config attributes every build sets (experiments/variant_sweep.py: one flag at a time)
 CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
 MULTIMODAL = False  # --multimodal: the types whose only text-generating class is an image-text-to-text wrapper
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two ways to the same numbers may lie apart: ``atol``, plus for attention maps ``map_rtol`` times each
+    reference weight, plus for logits ``logit_rel`` times the reference's largest magnitude (at least 1)."""
+
+    atol: float
+    map_rtol: float = 0.0
+    logit_rel: float = 0.0
+
+    def at_least(self, atol: float) -> Tolerance:
+        return replace(self, atol=max(self.atol, atol))
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """The sweep's bounds in ``dtype``. float64 and float32: the sweep's own, 1e-9 and 1e-5 absolute.
+
+    Half precision (``--dtype bfloat16`` / ``float16``) reuses the bounds the library and its tests already hold half
+    precision to, none new. Each check compares two ways to the same numbers (SDPA's weights and eager's, a gate at
+    zero and the heads' outputs or values zeroed, a sliced model and a masked one): they differ by the rounding of
+    reordered sums, a few eps per operation carried through the layers after it, where a wrong head moves a result
+    by that head's contribution.
+
+    * attention maps (capture): torch.testing.assert_close's defaults for the dtype, as tests/test_cuda_families.py
+      compares a bfloat16 capture with output_attentions: ``|a - b| <= 1e-5 + rtol * |b|``, rtol 1.6e-2 for
+      bfloat16 (2 eps), 1e-3 for float16 (1 eps);
+    * logits (mask, prune): headlab.prune_check.tolerance, the bound prune_heads checks itself against in the
+      model's dtype (and tests/test_cuda_families.py's pruning bound): ``sqrt(eps) * max(|reference|, 1)``, 0.088
+      for bfloat16, 0.031 for float16;
+    * gates at one: equal to the bit, in every dtype (a gate of one multiplies exactly);
+    * LRP: run in the precision the library picks for the model (``importance.lrp.lrp_precision``: compute_lrp
+      widens a half-precision model, its weights unchanged) and held to the bound of that precision's run.
+    """
+    if dtype in HALF:
+        from torch.testing._comparison import default_tolerances
+
+        rtol, atol = default_tolerances(dtype)
+        return Tolerance(atol, map_rtol=rtol, logit_rel=prune_tolerance(dtype))
+    return Tolerance(1e-9 if dtype == torch.float64 else 1e-5)
 
 
 class Timeout(Exception):
@@ -607,7 +659,27 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
                 parameter.add_(torch.randn_like(parameter))
             elif name.endswith(ZERO_INITIALISED.get(config_class.model_type, ())):
                 parameter.add_(torch.randn_like(parameter) * 0.5)
-    return model.to(dtype), ""
+    return as_loaded(model, dtype), ""
+
+
+def as_loaded(model, dtype: torch.dtype):
+    """``model`` in ``dtype`` as ``from_pretrained(..., dtype=dtype)`` gives it (what load_model hands headlab): cast,
+    except the parameters its class keeps in float32 in half precision (``_keep_in_fp32_modules_strict``, and
+    ``_keep_in_fp32_modules`` in float16: transformers' ``_get_dtype_plan``, matched as its loader matches them),
+    and ``config.dtype`` set, its sub-configs' too."""
+    model.to(dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation
+
+        pattern, groups, _ = build_glob_alternation(list(plan))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and (found := pattern.search(name)) is not None and found.lastgroup:
+                tensor.data = tensor.data.to(plan[groups[found.lastgroup]])
+    for config in (model.config, *(getattr(model.config, key, None) for key in model.config.sub_configs)):
+        if config is not None:
+            config.dtype = dtype
+    return model
 
 
 def probe_length(model) -> tuple[int, int]:
@@ -641,7 +713,7 @@ def logits(model, inputs) -> torch.Tensor:
         return model(**inputs, **teacher_forced(model)).logits
 
 
-def check_padding(model, inputs, atol) -> None:
+def check_padding(model, inputs, atol: Tolerance) -> None:
     """The right-padded row of the probe (row 1, as headlab's batchers pad: ``data.inputs._pad``) gives at its tokens
     the logits it gives alone: a sentence's results must not depend on its batch (ConvBERT's convolutions read the
     padding; BigBird's blocks follow the padded length: both found so, session 40). After the blocks were found, so
@@ -658,14 +730,25 @@ def check_padding(model, inputs, atol) -> None:
         batched = batched[:, :length]
     ok, diff = close(batched, single, atol)
     if not ok:
-        raise Fail("padding", f"the right-padded row's logits differ from the row alone by {diff:.3g} (atol {atol:g})")
+        raise Fail("padding", f"the right-padded row's logits differ from the row alone by {diff:.3g} "
+                              f"(atol {atol.atol:g}, relative {atol.logit_rel:g})")
 
 
-def close(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float]:
+def close(a: torch.Tensor, b: torch.Tensor, atol: float | Tolerance, kind: str = "logits") -> tuple[bool, float]:
+    """Whether ``a`` is ``b`` within the tolerance (a float: an absolute bound), and their largest difference (NaN or
+    inf in either, unless equal, counts as an infinite difference: never accepted)."""
     if a.shape != b.shape:
         return False, float("inf")
-    diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
-    return diff <= atol, diff
+    if not a.numel():
+        return True, 0.0
+    tol = atol if isinstance(atol, Tolerance) else Tolerance(atol)
+    a, b = a.double(), b.double()
+    diff = torch.where(a == b, 0.0, (a - b).abs().nan_to_num(nan=float("inf")))
+    if kind == "maps":  # element by element, relative to the reference's weight (torch.testing.assert_close's rule)
+        bound = tol.atol + tol.map_rtol * b.abs()
+    else:  # relative to the reference's largest magnitude, at least 1 (headlab.prune_check's rule)
+        bound = torch.tensor(tol.atol + tol.logit_rel * max(b.abs().nan_to_num(posinf=0, neginf=0).max().item(), 1.0))
+    return bool((diff <= bound).all()), diff.max().item()
 
 
 def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
@@ -737,7 +820,7 @@ def check_idle(model, blocks, inputs) -> list[str]:
     return [f"{len(idle)} idle ({', '.join(sorted({b.kind for b in idle}))})"] if idle else []
 
 
-def check_capture(eager, model, blocks, inputs, atol) -> None:
+def check_capture(eager, model, blocks, inputs, atol: Tolerance) -> None:
     reference, derived = reference_maps(eager, inputs)
     with capture_attention(model) as record:
         logits(model, inputs)
@@ -762,7 +845,7 @@ def check_capture(eager, model, blocks, inputs, atol) -> None:
         for key, i in zip(keys, indices):
             reference_map = maps[i]
             # a map worked out in float64 from a float32 softmax and sink scale (Granite-SWA's): float32's precision
-            ok, diff = close(record[key], reference_map, max(atol, 1e-6) if i in derived else atol)
+            ok, diff = close(record[key], reference_map, atol.at_least(1e-6) if i in derived else atol, "maps")
             if not ok:
                 what = "the weights the values get (output_attentions, sinks)" if i in derived else "output_attentions"
                 raise Fail("capture", f"{key} differs from {what} by {diff:.3g}")
@@ -867,7 +950,7 @@ def value_rows(block, kv_head: int):
             block.module.get_submodule(path).weight[kv_head * width:(kv_head + 1) * width] = 0
 
 
-def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
+def check_mask(make, blocks, inputs, atol: Tolerance, implementation) -> list[str]:
     notes = []
     targets = {}
     for block in blocks:
@@ -947,6 +1030,36 @@ def _attention_configs(model):
     return attention_configs(model)
 
 
+def check_own_nonfinite(make, blocks, inputs, own: torch.Tensor) -> str:
+    """What headlab does with a model whose own logits (unmodified, before headlab does anything) are NaN or inf on
+    the inputs: capture and pruning must refuse, naming it, never hand out maps or a pruned model computed from NaN
+    (a Fail where they do); the row's message says where the model's own NaN lies and both refusals."""
+    rows = sorted({int(r) for r in (~own.isfinite()).nonzero()[:, 0]})
+    padded = [r for r in rows if not bool(inputs["attention_mask"][r].all())]
+    found = [f"its own logits are NaN or inf in {str(own.dtype)[6:]} in rows {rows} ({len(padded)} of them padded)"]
+    model = make()
+    try:
+        with capture_attention(model) as record:
+            logits(model, inputs)
+    except HeadlabError as error:
+        found.append(f"capture refused: {str(error).splitlines()[0][:160]}")
+    else:
+        if any(not maps.isfinite().all() for maps in record.values()):
+            raise Fail("capture", f"{found[0]}, and capture returned NaN or inf maps without refusing")
+        found.append("capture: every map finite (the NaN arises after the attention)")
+    spec = {b.key: [b.n_heads - 1] for b in blocks[:1] if b.n_heads >= 2}
+    if spec:
+        from headlab import prune_heads
+
+        try:
+            prune_heads(make(), spec)
+        except HeadlabError as error:
+            found.append(f"prune refused: {str(error).splitlines()[0][:160]}")
+        else:
+            raise Fail("prune", f"{found[0]}, and prune_heads accepted a pruning it could not compare there")
+    return "; ".join(found)
+
+
 def check_gates(model, inputs) -> None:
     before = logits(model, inputs)
     with gates_attached(model, ScalarGates.for_model(model)):
@@ -956,7 +1069,7 @@ def check_gates(model, inputs) -> None:
         raise Fail("gates", "hooks left behind")
 
 
-def check_prune(model, blocks, inputs, atol) -> str | None:
+def check_prune(model, blocks, inputs, atol: Tolerance) -> str | None:
     from headlab import prune_heads
 
     spec: dict[tuple[str, int], list[int]] = {}
@@ -981,7 +1094,9 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
     return None
 
 
-def check_lrp(model, blocks) -> str | None:
+def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
+    """Conservation on a bias-free copy; ``widen``: the precision a half-precision model is computed in, as
+    compute_lrp widens it (its redrawn weights rounded to the model's dtype first, as a user's are)."""
     from headlab.capture import eager_attention
     from headlab.importance.rules import altup_inputs, check_rules, lrp_rules, per_layer_embeddings
 
@@ -1014,18 +1129,27 @@ def check_lrp(model, blocks) -> str | None:
                 for e in per_layer_embeddings(model)]
     # a module that returns float32 in a float64 run (Beam's MLP evaluates act(gate) * up in float32, whatever the
     # model's dtype): its rounding, amplified by relevances that cancel across a layer, is float32's, not float64's
+    # (and, in a widened half-precision model, a module that returns its original dtype: half precision's rounding)
     narrow: list[str] = []
-    if next(model.parameters()).dtype == torch.float64:
-        handles += [m.register_forward_hook(lambda module, args, output: narrow.append(type(module).__name__)
-                                            if isinstance(output, torch.Tensor) and output.dtype == torch.float32
-                                            else None) for m in model.modules()]
+    run = widen or next(model.parameters()).dtype
+    if run == torch.float64 or widen is not None:
+        def narrower(module, args, output) -> None:
+            if isinstance(output, torch.Tensor) and output.is_floating_point() \
+                    and torch.finfo(output.dtype).bits < torch.finfo(run).bits:
+                narrow.append(f"{type(module).__name__} in {str(output.dtype).removeprefix('torch.')}")
+        handles += [m.register_forward_hook(narrower) for m in model.modules()]
     head_out: list[torch.Tensor] = []  # the LM head's output: a cap in the config that the class never applies
     if isinstance(head := model.get_output_embeddings(), torch.nn.Module):
         handles.append(head.register_forward_hook(lambda module, args, output: head_out.append(output)))
     ids = torch.randint(3, 99, (1, probe_length(model)[0]), generator=torch.Generator().manual_seed(1))
     try:
-        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        with _widened(model, widen) if widen else nullcontext(), torch.enable_grad(), eager_attention(model), \
+                lrp_rules(model):
+            # widened, the forward runs as compute_lrp runs it (importance.lrp.head_relevance): transformers' own
+            # narrowings (.float(), float32 norms and softmax) kept at the widened precision
+            narrow.clear()  # the explained forward's only, not lrp_rules' probes of single modules
+            with _KeptWide(widen) if widen else nullcontext():
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
             grads = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer])
     finally:
@@ -1048,9 +1172,43 @@ def check_lrp(model, blocks) -> str | None:
     # float32 inside: compute_lrp's own tolerance (importance.lrp.CONSERVATION_TOLERANCE, recorded with every run)
     rtol = CONSERVATION_TOLERANCE if narrow else 1e-4
     if abs(total - want) > rtol * abs(want) + 1e-5:
-        raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}")
-    return f"lrp: {', '.join(sorted(set(narrow)))} in float32 (conserved to {abs(total / want - 1):.1g}, " \
+        raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}"
+                          + (f" ({', '.join(sorted(set(narrow)))})" if narrow else ""))
+    return f"lrp: {', '.join(sorted(set(narrow)))} (conserved to {abs(total / want - 1):.1g}, " \
            f"within {rtol:g})" if narrow else None
+
+
+def check_compute_lrp(model) -> str | None:
+    """compute_lrp as a user calls it on the half-precision model (its weights and biases as built, three padded
+    sentences): its own conservation check passes (a RunFailed is a FAIL: the rules conserved in check_lrp), every
+    score is finite, and the model comes back in its own dtype to the bit; a refusal before any work is a note."""
+    from headlab.errors import RunFailed
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None  # as check_lrp: not checked
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    try:
+        info = describe_model(model)
+        vocab = model.get_input_embeddings().num_embeddings
+        if info.pad_id is not None and info.pad_id >= vocab:  # the tiny build's: a wrapper's config keeps the real
+            info = replace(info, pad_id=0)  # checkpoint's pad id (Idefics3's 128002) over the tiny vocabulary of 99
+        eos = min(info.eos_ids) if info.eos_ids else 1
+        g = torch.Generator().manual_seed(0)
+        data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [eos] for k in (4, 6, 8)])
+        scores = compute_lrp(model, data, info, bootstrap=0)
+    except RunFailed as error:
+        raise Fail("lrp", f"compute_lrp: {str(error).splitlines()[0][:250]}") from error
+    except HeadlabError as error:
+        return f"compute_lrp refused: {str(error).splitlines()[0][:150]}"
+    after = model.state_dict()
+    if any(after[name].dtype != tensor.dtype or not torch.equal(after[name], tensor) for name, tensor in before.items()):
+        raise Fail("lrp", "compute_lrp did not give the model back as it was (dtype or values)")
+    for block in attention_blocks(model):  # every head's score finite (NaN marks only where no head is)
+        if block.n_heads and not block.idle and block.kind in scores.scores and \
+                not all(math.isfinite(v) for v in scores.scores[block.kind][block.layer, :block.n_heads].tolist()):
+            raise Fail("lrp", f"compute_lrp returned non-finite scores for {block.key}")
+    return None
 
 
 def as_analysed(model):
@@ -1062,8 +1220,9 @@ def as_analysed(model):
         return model
 
 
-def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
-    """(outcome, check, message)."""
+def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = torch.float64) -> tuple[str, str, str]:
+    """(outcome, check, message); ``requested``: the dtype the model is built in (float64: float32 where the model does
+    not run in float64)."""
     cls = model_class(config_class)
     if cls is None:
         return "", "", ""
@@ -1071,7 +1230,7 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         return "skipped", "n/a", SKIPPED[model_type]
     if required := required_inputs(cls):  # InstructBLIP's pixel_values: refused before any work, whatever the sizes
         return "refused", "inputs", f"{cls.__name__}.forward requires {', '.join(required)}"
-    eager, why = build(config_class, cls, "eager", torch.float64)
+    eager, why = build(config_class, cls, "eager", requested)
     if eager is None:
         return "skipped", "build", why
     if problem := token_ids_problem(eager):  # an image on every forward (BLIP-2, Kosmos-2): refused before any work
@@ -1079,24 +1238,33 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
     # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
     implementation = "sdpa" if cls._supports_sdpa and not causal_on_token_ids(eager.config) \
-        and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
-    dtype, atol = torch.float64, 1e-9
+        and build(config_class, cls, "sdpa", requested)[0] else "eager"
+    dtype = requested
     inputs = inputs_for(eager)
     try:
         logits(eager, inputs)
-    except Exception:  # noqa: BLE001 - float64 not supported: float32
+    except Exception as error:  # noqa: BLE001 - float64 not supported: float32
+        if requested != torch.float64:  # what headlab does with a model that does not run in this dtype
+            fails = f"its own forward fails in {str(requested)[6:]} ({type(error).__name__}: {error})"
+            try:
+                attention_blocks(as_analysed(eager))
+            except HeadlabError as refusal:
+                return "refused", "blocks", f"{str(refusal).splitlines()[0][:200]} ({fails[:100]})"
+            return "skipped", "forward", f"{fails[:200]}: transformers' own (attention_blocks finds its blocks; " \
+                                         "every run fails as the model's forward does)"
         eager, _ = build(config_class, cls, "eager", torch.float32)
-        dtype, atol = torch.float32, 1e-5
+        dtype = torch.float32
         try:
             logits(eager, inputs)
         except Exception as error:  # noqa: BLE001
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
+    atol = tolerance_for(dtype)
 
     def make(impl: str = implementation):
         return as_analysed(build(config_class, cls, impl, dtype)[0])
 
     eager = as_analysed(eager)
-    notes: list[str | None] = [] if dtype == torch.float64 else ["float32"]
+    notes: list[str | None] = [] if dtype == requested else ["float32"]
     if eager is not None and not isinstance(eager, cls):  # MiniCPM-V's: what load_model gives for its checkpoint
         notes.append(f"the language model of {cls.__name__} (headlab.language_model_of)")
     step = "blocks"
@@ -1111,11 +1279,14 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         step = "idle"
         notes += check_idle(model, blocks, inputs)
         blocks = [b for b in blocks if not b.idle]
+        if not (own := logits(eager, inputs)).isfinite().all():  # transformers' own NaN (LongT5 in float16)
+            step = "capture"
+            return "refused-late", "capture", check_own_nonfinite(make, blocks, inputs, own)
         step = "padding"
         # float32's bound whatever the dtype: MPT's and OLMo-Hybrid's softmax are float32 in a float64 model, which
         # rounds a padded row apart from the row alone by 2e-9 to 5e-9; a leak moves it by a neighbour's share
         # (ConvBERT's convolutions: 5e-3)
-        check_padding(model, inputs, max(atol, 1e-6))
+        check_padding(model, inputs, atol.at_least(1e-6))
         step = "capture"
         check_capture(eager, model, blocks, inputs, atol)
         step = "mask"
@@ -1124,12 +1295,17 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         check_gates(model, inputs)
         step = "prune"
         single = dtype == torch.float32 or float32_attention(model)
-        notes.append(check_prune(make(), blocks, inputs, max(atol, 1e-6 if single else 1e-9)))
+        notes.append(check_prune(make(), blocks, inputs, atol.at_least(1e-6 if single else 1e-9)))
         step = "lrp"
         lrp_model = make()
-        # widened as compute_lrp widens it (lrp_rules runs the experts' eager loop, which takes float64)
-        notes.append(check_lrp(lrp_model.double() if dtype == torch.float64 or lrp_precision(lrp_model) == torch.float64
-                               else lrp_model, blocks))
+        # widened as compute_lrp widens it (lrp_rules runs the experts' eager loop, which takes float64); a
+        # half-precision model in its own dtype, widened inside check_lrp after its weights are redrawn
+        if dtype in HALF:
+            notes.append(check_lrp(lrp_model, blocks, widen=lrp_precision(lrp_model)))
+            notes.append(check_compute_lrp(make()))
+        else:
+            notes.append(check_lrp(lrp_model.double() if dtype == torch.float64
+                                   or lrp_precision(lrp_model) == torch.float64 else lrp_model, blocks))
     except Fail as error:
         return "FAIL", error.check, str(error)
     except HeadlabError as error:
@@ -1192,13 +1368,17 @@ def main() -> None:
     parser.add_argument("--multimodal", action="store_true",
                         help="instead, the types whose only text-generating class is an AutoModelForImageTextToText "
                              "wrapper, run on token ids (their towers idle)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float64",
+                        help="the dtype the models are built in (float64: float32 where a model does not run in it); "
+                             "half precision checked with its own tolerances (tolerance_for)")
     args = parser.parse_args()
     global CAUSAL_FIRST, MULTIMODAL
     CAUSAL_FIRST, MULTIMODAL = args.causal_first, args.multimodal
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()
-    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout), only=args.only,
+    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout, DTYPES[args.dtype]),
+              only=args.only,
               timeout=args.timeout, columns=2,
               skip=lambda model_type: "matrix" if model_type in in_matrix and not args.all and not args.only else "")
 
