@@ -171,7 +171,8 @@ class Family:
     """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
     :func:`headlab.adapters.xlnet.install_points`), or a forward that refuses inputs the entry cannot read exactly
     before they run (block-sparse BigBird's, :func:`headlab.adapters.big_bird.install_guard`): called by
-    :func:`headlab.adapters.attention_blocks`, it changes nothing the model computes."""
+    :func:`headlab.adapters.attention_blocks`, it changes nothing the model computes on a sentence alone (ConvBERT's,
+    :func:`headlab.adapters.convbert.install_padding_mask`, makes each row of a padded batch compute that)."""
     shared_bias: str = ""
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
@@ -1242,9 +1243,15 @@ LONGFORMER = Family(
 # (heads x d) | convolution heads' outputs (all_head_size)]: masking and gating act on a head's columns among the
 # first heads x d (what transformers' old head_mask did: it multiplied attention_probs), the convolution heads' columns
 # passed through untouched. ConvBertModel never passes encoder states: a decoder's crossattention is never fed. Its
-# convolutions have no padding mask: in a padded batch a row's edge tokens read the padding's states (where the row
-# alone reads zeros), so from layer 1 on a sentence's maps depend on its batch, as the model computes them (the docs
-# say so; tests/test_convbert.py pins it).
+# convolutions have no padding mask in transformers: in a padded batch a row's edge tokens would read the padding's
+# states (where the row alone reads zeros); the hooks installed on the model (headlab.adapters.convbert) zero the
+# padded positions where the convolutions read them, so each row of a padded batch is the row alone.
+def _install_convbert_padding_mask(model: Any) -> None:
+    from headlab.adapters.convbert import install_padding_mask
+
+    install_padding_mask(model)
+
+
 CONVBERT = Family(
     name="convbert",
     patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
@@ -1261,6 +1268,7 @@ CONVBERT = Family(
     lrp_refused="ConvBERT's span-based dynamic convolution heads (kernels softmax(conv_kernel_layer(query(x) * "
                 "key_conv_attn_layer(x))) applied to conv_out_layer(x) over conv_kernel_size positions) have no LRP "
                 "rule, and their outputs enter output.dense beside the attention heads'",
+    install=_install_convbert_padding_mask,
 )
 
 
