@@ -422,3 +422,45 @@ def test_analyze_end_to_end(tmp_path):
         rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["enc_self"]
         assert [len(row) for row in rows] == [2, 2], measure
         assert all(v is not None for row in rows for v in row), measure
+
+
+def _close(one, three, where: str, volatile=("batch_size", "seconds")) -> None:
+    """Two JSON values equal but for their floats (to 1e-5 relative or 1e-6: the float32 model's rounding, an
+    ablation score a difference of two float32 losses) and the keys that say how they were run."""
+    if isinstance(one, dict):
+        assert one.keys() == three.keys(), where
+        for key in one:
+            if key not in volatile:
+                _close(one[key], three[key], f"{where}.{key}")
+    elif isinstance(one, list):
+        assert len(one) == len(three), where
+        for i, (a, b) in enumerate(zip(one, three)):
+            _close(a, b, f"{where}[{i}]")
+    elif isinstance(one, float) or isinstance(three, float):
+        assert three == pytest.approx(one, rel=1e-5, abs=1e-6), where
+    else:
+        assert one == three, where
+
+
+def test_analyze_gives_the_same_files_whatever_the_batch_size(tmp_path):
+    """`headlab analyze` with --batch-size 1 and 3 (right-padded batches): the importance scores, the functions and the
+    aggregate statistics equal (floats to 1e-5 relative, the float32 model's rounding). Before the padding was zeroed
+    they differed (this test failed)."""
+    import json
+
+    from headlab.cli import main
+    from support.family_matrix import save_tiny, treebank_files
+
+    save_tiny(build().float(), tmp_path / "model", treebank_files(tmp_path), style="bert")
+    for size in (1, 3):
+        code = main(["analyze", str(tmp_path / "model"), "--source", str(tmp_path / "text.txt"), "--conllu",
+                     str(tmp_path / "tb.conllu"), "--out", str(tmp_path / f"out{size}"), "--skip", "figures",
+                     "--skip", "lrp", "--no-progress", "--attention-sentences", "2", "--ablation",
+                     "--batch-size", str(size)])
+        assert code == 0
+    files = sorted(p.relative_to(tmp_path / "out1") for folder in ("importance", "functions", "aggregate")
+                   for p in (tmp_path / "out1" / folder).rglob("*.json"))
+    assert len(files) > 10 and any(str(f).startswith("functions/syntactic/") for f in files), files
+    for name in files:
+        _close(json.loads((tmp_path / "out1" / name).read_text()), json.loads((tmp_path / "out3" / name).read_text()),
+               str(name))
