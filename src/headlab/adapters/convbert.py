@@ -21,6 +21,8 @@ column): headlab's batchers pad on the right, where a row's positions are its ow
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from headlab.errors import HeadlabError
 
 MODEL_CLASS = "ConvBertModel"
 ATTENTION_CLASS = "ConvBertSelfAttention"
-_INSTALLED = "_headlab_padding_mask"
+_INSTALLED = "_headlab_padding_blind"
 _KEEP = "_headlab_real_tokens"
 """Set, during a ``ConvBertModel`` call on a padded batch, on each convolution's module: ``[batch, seq]`` booleans,
 True on the real tokens."""
@@ -53,20 +55,25 @@ def _convolutions(model: nn.Module) -> list[nn.Module]:
             for part in (core.key_conv_attn_layer, core.conv_out_layer)]
 
 
-def _record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    keep = _mask_of(module, args, kwargs)
-    for part in _convolutions(module):
+def _checkpointing(model: nn.Module) -> bool:
+    flag = getattr(model, "is_activation_checkpointing", None)  # transformers 5.24's name
+    if flag is None:
+        flag = getattr(model, "is_gradient_checkpointing", False)
+    return bool(flag) and model.training
+
+
+def _recording(model: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``forward`` (the model's own) with the call's real tokens set on its convolutions for the call."""
+    keep = _mask_of(model, args, kwargs)
+    parts = _convolutions(model)
+    for part in parts:
         setattr(part, _KEEP, keep)
-
-
-def _forget(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    checkpointing = getattr(module, "is_activation_checkpointing", None)  # transformers 5.24's name
-    if checkpointing is None:
-        checkpointing = getattr(module, "is_gradient_checkpointing", False)
-    if checkpointing and module.training:
-        return  # the backward pass reruns the layers, after this call: the next call overwrites it
-    for part in _convolutions(module):
-        setattr(part, _KEEP, None)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        if not _checkpointing(model):  # else the backward pass reruns the layers after this call: the next overwrites
+            for part in parts:
+                setattr(part, _KEEP, None)
 
 
 def _real(part: nn.Module, length: int, where: str) -> torch.Tensor | None:
@@ -77,40 +84,81 @@ def _real(part: nn.Module, length: int, where: str) -> torch.Tensor | None:
     return keep
 
 
-def _zero_padded_columns(part: nn.Module, args: tuple) -> tuple | None:
-    """Before ``key_conv_attn_layer``: its input ``[batch, d, seq]`` zero on the padded columns."""
-    states = args[0]
+def _zero_padded_columns(part: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """``key_conv_attn_layer``'s input ``[batch, d, seq]`` zero on the padded columns."""
     keep = _real(part, states.shape[-1], "key_conv_attn_layer")
     if keep is None:
-        return None
-    return (torch.where(keep[:, None, :].to(states.device), states, torch.zeros((), dtype=states.dtype,
-                                                                                 device=states.device)), *args[1:])
+        return states
+    return torch.where(keep[:, None, :].to(states.device), states, torch.zeros((), dtype=states.dtype,
+                                                                                device=states.device))
 
 
-def _zero_padded_rows(part: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-    """After ``conv_out_layer``: its output ``[batch, seq, all_head_size]`` (bias included) zero on the padded rows,
-    before transformers unfolds it."""
+def _zero_padded_rows(part: nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """``conv_out_layer``'s output ``[batch, seq, all_head_size]`` (bias included) zero on the padded rows, before
+    transformers unfolds it."""
     keep = _real(part, output.shape[-2], "conv_out_layer")
     if keep is None:
-        return None
+        return output
     return torch.where(keep[..., None].to(output.device), output, torch.zeros((), dtype=output.dtype,
-                                                                               device=output.device))
+                                                                              device=output.device))
+
+
+def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _recording(self, self._headlab_plain_forward, args, kwargs)
+
+
+def _columns_forward(self: Any, states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    return self._headlab_plain_forward(_zero_padded_columns(self, states), *args, **kwargs)
+
+
+def _rows_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _zero_padded_rows(self, self._headlab_plain_forward(*args, **kwargs))
+
+
+def _instance_forward(module: nn.Module, role: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, a module's own (an instance attribute: accelerate's hooks replace ``module.forward`` so, calling
+    the class's forward bound before), doing what the role's class forward does around it."""
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if role == "model":
+            return _recording(module, forward, args, kwargs)
+        if role == "columns":
+            return forward(_zero_padded_columns(module, args[0]), *args[1:], **kwargs)
+        return _zero_padded_rows(module, forward(*args, **kwargs))
+
+    setattr(wrapped, _INSTALLED, True)
+    return wrapped
+
+
+_FORWARDS = {"model": _model_forward, "columns": _columns_forward, "rows": _rows_forward}
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _swap(module: nn.Module, role: str) -> None:
+    """``module``'s class made a subclass of the same name whose forward does the role's (as
+    :func:`headlab.adapters.big_bird.install_guard`: no hook, so that headlab's hooks come off as they went on)."""
+    cls = type(module)
+    if not getattr(cls, _INSTALLED, False):
+        if (cls, role) not in _CLASSES:
+            _CLASSES[(cls, role)] = type(cls.__name__, (cls,), {
+                "forward": _FORWARDS[role], "_headlab_plain_forward": getattr(cls, "forward"),  # noqa: B009
+                _INSTALLED: True, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        module.__class__ = _CLASSES[(cls, role)]
+    own = vars(module).get("forward")  # a forward set on the instance (accelerate's) would skip the class's
+    if own is not None and not getattr(own, _INSTALLED, False):
+        module.forward = _instance_forward(module, role, own)  # type: ignore[method-assign]
 
 
 def install_padding_mask(model: nn.Module) -> None:
-    """Give every ``ConvBertModel`` of ``model`` (once) the hooks that keep its convolutions off the padding (see the
-    module's docstring): a pre-hook recording the call's ``attention_mask``, a pre-hook on each
-    ``key_conv_attn_layer`` and a hook on each ``conv_out_layer`` zeroing the padded positions. On an unpadded batch
-    (or none given) nothing changes."""
+    """Make every ``ConvBertModel`` of ``model`` (once) keep its convolutions off the padding (see the module's
+    docstring): its forward records the call's ``attention_mask`` on its convolutions, ``key_conv_attn_layer``'s
+    zeroes its input's padded columns, ``conv_out_layer``'s its output's padded rows (each class becomes a subclass
+    of the same name). On an unpadded batch (or none given) nothing changes."""
     for module in model.modules():
-        if type(module).__name__ != MODEL_CLASS or getattr(module, _INSTALLED, False):
+        if type(module).__name__ != MODEL_CLASS:
             continue
-        module.register_forward_pre_hook(_record, with_kwargs=True)
-        module.register_forward_hook(_forget, with_kwargs=True, always_call=True)
         for part in _convolutions(module):
-            setattr(part, _KEEP, None)
-            if isinstance(part, nn.Linear):
-                part.register_forward_hook(_zero_padded_rows)
-            else:
-                part.register_forward_pre_hook(_zero_padded_columns)
-        setattr(module, _INSTALLED, True)
+            if not hasattr(part, _KEEP):
+                setattr(part, _KEEP, None)
+            _swap(part, "rows" if isinstance(part, nn.Linear) else "columns")
+        _swap(module, "model")
