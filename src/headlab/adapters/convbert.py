@@ -10,13 +10,16 @@ is per position, or the softmax heads, which the mask keeps off the padding. So 
 within ``conv_kernel_size // 2`` of its padding read the padding's hidden states (and ``conv_out_layer``'s output
 there, bias included) where the row alone reads the convolutions' zeros.
 
-What headlab does: :func:`install_padding_mask` records the ``attention_mask`` each ``ConvBertModel`` call is given,
-and zeroes the padded positions where the convolutions read them: the padded columns of ``key_conv_attn_layer``'s
-input, and the padded rows of ``conv_out_layer``'s output. A row then reads zeros beyond its ends, as alone: each row
-of a padded batch is the row alone (float64, to rounding), whatever pads it. headlab's ConvBERT on a padded batch is
-thus the per-sentence model, not transformers' padded computation (which the hooks change on the padding's
-neighbours only). A padded batch's positions are still absolute (``position_ids`` count from the batch's first
-column): headlab's batchers pad on the right, where a row's positions are its own.
+What headlab does: :func:`install_padding_mask` (called whenever headlab makes the model's blocks, so capture,
+masking, gates, the importance measures and the statistics engines all run it) swaps three classes for subclasses of
+the same names, no hook (as :func:`headlab.adapters.big_bird.install_guard`): ``ConvBertModel``'s forward records the
+``[batch, seq]`` ``attention_mask`` it is given on the convolutions for the call, ``key_conv_attn_layer``'s zeroes
+its input's padded columns, ``conv_out_layer``'s its output's padded rows (bias included, before the unfold). A row
+then reads zeros beyond its ends, as alone: each row of a right-padded batch is the row alone (float64, to 1e-12).
+headlab's ConvBERT on a padded batch is thus the per-sentence model, not transformers' padded computation (it
+differs on the padding's neighbours only); on an unpadded batch nothing changes, bit for bit. Any padding is zeroed
+(left, or gaps, too), but a left-padded row's absolute positions (``position_ids`` count from the batch's first
+column) are not its own, as in any BERT: headlab's batchers pad on the right.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _mask_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | Non
 
 def _convolutions(model: nn.Module) -> list[nn.Module]:
     return [part for core in model.modules() if type(core).__name__ == ATTENTION_CLASS
-            for part in (core.key_conv_attn_layer, core.conv_out_layer)]
+            for part in (core.get_submodule("key_conv_attn_layer"), core.get_submodule("conv_out_layer"))]
 
 
 def _checkpointing(model: nn.Module) -> bool:
