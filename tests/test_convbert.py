@@ -10,6 +10,10 @@ masking a head zeroes its columns among the first ``heads x d`` (what transforme
 ``attention_probs``), the convolution heads' columns untouched, checked against that by hand on padded float64 batches;
 gates (constant, scalar, Hard Concrete) act there too. Removing a head's query rows would change the convolution heads,
 and the dynamic convolution has no LRP rule: both are refused before any work, the model unchanged and never run.
+
+Its convolutions read a padded batch's padding in transformers; headlab zeroes it where they read it
+(``headlab.adapters.convbert``), so a row of a padded batch is the row alone: the tests on that failed before (maps,
+logits, scores and analyze's files then depended on the batch).
 """
 
 from __future__ import annotations
@@ -140,6 +144,20 @@ def test_a_padded_row_is_the_row_alone(name, kernel):
     # the full row untouched; transformers' own padded rows read the padding
     torch.testing.assert_close(plain[0], batched_logits[0], atol=1e-12, rtol=0)
     assert float((plain[2, :5] - batched_logits[2, :5]).abs().max()) > 1e-6
+
+
+def test_a_left_padded_row_given_its_own_positions_is_the_row_alone():
+    """The padding is zeroed wherever the mask puts it: a row padded on the left by 3, given its own position_ids
+    (absolute positions count from the batch's first column otherwise, as in any BERT; headlab's batchers pad on the
+    right), equals the row alone, to 1e-12."""
+    model, inputs = build(), tiny_inputs(batch=2, length=8)
+    inputs["attention_mask"][1, :3] = 0
+    positions = torch.arange(8).repeat(2, 1)
+    positions[1] = (positions[1] - 3).clamp(min=0)
+    with torch.no_grad():
+        batched = model(**inputs, position_ids=positions).logits
+        alone = model(input_ids=inputs["input_ids"][1:, 3:], attention_mask=inputs["attention_mask"][1:, 3:]).logits
+    torch.testing.assert_close(batched[1, 3:], alone[0], atol=1e-12, rtol=0)
 
 
 def test_an_unpadded_batch_is_what_transformers_computes():
