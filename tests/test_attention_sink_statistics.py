@@ -26,7 +26,7 @@ from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
 from headlab.importance import ImportanceData, compute_confidence, describe_model
-from support.family_matrix import tiny_inputs
+from support.family_matrix import check_confidence_on_every_engine, tiny_inputs
 from support.treebank import SAMPLE_CONLLU
 from test_attention_sinks import SINK_FAMILIES, SINKS, _has_sinks, _layers, sink_model
 from test_chunked_statistics import _assert_close, _written
@@ -149,12 +149,8 @@ def test_confidence_is_the_same_on_every_engine(family):
     Granite-SWA the eager maxima were of the pre-sink softmax."""
     model = _model(family)
     data, info = _confidence_data(model)
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
     rtol = 1e-6 if family in FLOAT32_EAGER else 1e-12
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        for kind in eager.kinds:
-            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=rtol, atol=1e-12)
+    eager = check_confidence_on_every_engine(model, data, info, rtol=rtol)
     # the maxima of weights below 1 in every row of a sink layer: every head's confidence below the sink-free one
     with torch.no_grad():
         for attention in (a.self_attn for a in _layers(model)):

@@ -23,7 +23,13 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model, tiny_inputs
+from support.family_matrix import (
+    check_confidence_on_every_engine,
+    check_gates_at_one_change_nothing,
+    logits,
+    perturbed_model,
+    tiny_inputs,
+)
 
 CONFIGS = {
     # head_ratio 2: 4 // 2 = 2 attention heads of (32 / 2) // 2 = 8, and 2 convolution heads; embeddings projected up
@@ -355,19 +361,15 @@ def test_scores_do_not_depend_on_the_batch(measure):
 def test_confidence_is_the_same_on_every_engine():
     """Its attention does not go through transformers' attention interface: the default and chunked engines take the
     eager maps (stream_attention's fallback) and give eager's scores to float32's rounding."""
-    import numpy as np
 
     from headlab.capture import not_streamable
-    from headlab.importance import ImportanceData, compute_confidence, describe_model
+    from headlab.importance import ImportanceData, describe_model
 
     model = build()
     assert "does not dispatch through transformers' AttentionInterface" in not_streamable(model)
     info = describe_model(model)
     data = ImportanceData.from_ids(SENTENCES)
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        np.testing.assert_allclose(streamed["enc_self"], eager["enc_self"], rtol=1e-6, atol=1e-12)
+    check_confidence_on_every_engine(model, data, info)
 
 
 def test_a_family_with_columns_after_its_heads_must_say_why_pruning_and_lrp_are_refused():

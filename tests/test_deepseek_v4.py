@@ -32,7 +32,7 @@ import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
+from support.family_matrix import check_confidence_on_every_engine, check_gates_at_one_change_nothing, logits, tiny_inputs
 
 HEADS, D, GROUPS = 4, 16, 2
 LAYER_TYPES = ["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"]
@@ -342,20 +342,15 @@ def test_confidence_is_the_same_on_every_engine():
     """The default and chunked engines cannot run headlab's attention function on it (it would count the compressed
     entries as keys): they take the eager maps, cut to the tokens (stream_attention's fallback, which hands them on in
     float32), and give eager's scores to float32's rounding."""
-    import numpy as np
 
     from headlab.capture import not_streamable
-    from headlab.importance import ImportanceData, compute_confidence, describe_model
+    from headlab.importance import ImportanceData, describe_model
 
     model = build()
     assert "appends compressed key-value entries" in not_streamable(model)
     info = describe_model(model)
     data = ImportanceData.from_ids([[5, 17, 33, 41, 8, 1], [9, 60, 22, 1], [70, 12, 45, 31, 28, 90, 3, 1]])
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        for kind in eager.kinds:
-            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=1e-6, atol=1e-12)
+    check_confidence_on_every_engine(model, data, info)
 
 
 def test_analyze_end_to_end(tmp_path):

@@ -33,6 +33,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
+    check_confidence_on_every_engine,
     check_gates_at_one_change_nothing,
     check_pruned_generates_as_masked,
     check_pruned_reloads,
@@ -274,19 +275,14 @@ def test_confidence_is_the_same_on_every_engine(family):
     under eager, fused (default) and chunked query rows: the same scores. Before this session HY-V4 ran eager
     only (a type handing s_aux that headlab had not read). Qwen4-Exp's eager softmax is taken in float32 whatever the
     model's dtype (``softmax(.., dtype=torch.float32)``): eager agrees to that."""
-    import numpy as np
 
-    from headlab.importance import ImportanceData, compute_confidence, describe_model
+    from headlab.importance import ImportanceData, describe_model
 
     model = build(family)
     info = describe_model(model)
     data = ImportanceData.from_ids([[5, 17, 33, 41, 8, 1], [9, 60, 22, 1], [70, 12, 45, 31, 28, 90, 3, 1]])
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
     rtol = 1e-12 if family == "hy_v4" else 1e-6
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        for kind in eager.kinds:
-            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=rtol, atol=1e-12)
+    check_confidence_on_every_engine(model, data, info, rtol=rtol)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -33,6 +33,7 @@ from headlab import HeadlabError, attention_blocks, capture_attention, mask_head
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
     check_capture_equals_output_attentions,
+    check_confidence_on_every_engine,
     check_gates_at_one_change_nothing,
     check_masking_equals_zeroed_values,
     logits,
@@ -315,18 +316,13 @@ def test_confidence_is_the_same_on_every_engine(model_type):
     """The fused, chunked and default engines cannot run headlab's attention function on it (its sinks): they take
     the eager maps (stream_attention's fallback) and give eager's scores (before this session's fix of unregistrable:
     the fused engine crashed mid-forward on the sinks, experiments/fused_sweep.py)."""
-    import numpy as np
 
-    from headlab.importance import ImportanceData, compute_confidence, describe_model
+    from headlab.importance import ImportanceData, describe_model
 
     model = build(model_type=model_type)
     info = describe_model(model)
     data = ImportanceData.from_ids([[5, 17, 33, 41, 8, 1], [9, 60, 22, 1], [70, 12, 45, 31, 28, 90, 3, 1]])
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        for kind in eager.kinds:
-            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=1e-6, atol=1e-12)
+    check_confidence_on_every_engine(model, data, info)
 
 
 @pytest.mark.parametrize("model_type", TYPES)

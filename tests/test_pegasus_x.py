@@ -34,7 +34,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model
+from support.family_matrix import check_confidence_on_every_engine, check_gates_at_one_change_nothing, logits, perturbed_model
 from support.pegasus_x import dense_maps
 from support.seq2seq_families import (
     KINDS,
@@ -386,16 +386,10 @@ def test_confidence_is_the_same_on_every_engine():
     """The encoder's attention does not dispatch through transformers' interface: the default and chunked engines
     take its eager maps (read as capture reads them), the decoder's through headlab's function, and give eager's
     scores."""
-    import numpy as np
 
     from headlab.capture import not_streamable
-    from headlab.importance import compute_confidence
 
     model = tiny_pegasus_x()
     assert "does not dispatch" in not_streamable(model)
     data, info = translated_data(model, eos=1)  # sources of 4, 7 and 10 tokens: one to three blocks
-    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
-    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
-        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
-        for kind in eager.kinds:
-            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=1e-6, atol=1e-12)
+    check_confidence_on_every_engine(model, data, info)

@@ -535,6 +535,21 @@ def check_streamed_chunks_equal_capture(model, inputs: dict, record) -> torch.Te
     return out
 
 
+def check_confidence_on_every_engine(model, data, info, rtol: float = 1e-6):
+    """compute_confidence under the fused (default) and chunked engines, and the default with query chunks of 3, equal
+    to eager's on every kind, within ``rtol`` (atol 1e-12); eager's scores back."""
+    import numpy as np
+
+    from headlab.importance import compute_confidence
+
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        for kind in eager.kinds:
+            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=rtol, atol=1e-12)
+    return eager
+
+
 def zero_values(model, values, layer: int, kv_head: int) -> None:
     """Zero key/value head ``kv_head``'s value weights and biases in place (``values``: the family's
     ``(module(model, layer), rows(kv_head), n_kv_heads)``, read off the modeling code): its heads then output 0."""
