@@ -16,6 +16,7 @@ import transformers as tf
 
 from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.importance import compute_lrp
+from headlab.portable_code import install_tie_rule
 from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
 from support.lrp_families import lrp_data
 from test_hyper_connection_families import _HY_V4, NOPE, V
@@ -38,6 +39,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
                 parameter.add_(torch.randn_like(parameter) * (1.0 if name.endswith(".sinks") else 0.1))
             if name.endswith("self_attn.gate_proj.weight"):
                 parameter.mul_(8)
+    install_tie_rule(model)  # as headlab runs it (tied top-k keys: the lowest index)
     return model.double()
 
 

@@ -32,6 +32,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from headlab.checkpoint import model_class_for
+from headlab.portable_code import install_tie_rule
 from support.family_matrix import (
     check_confidence_on_every_engine,
     check_gates_at_one_change_nothing,
@@ -81,6 +82,7 @@ def build(family: str, attn_implementation: str | None = None, seed: int = 0, **
                 parameter.add_(torch.randn_like(parameter) * (1.0 if name.endswith(".sinks") else 0.1))
             if name.endswith("self_attn.gate_proj.weight"):
                 parameter.mul_(8)
+    install_tie_rule(model)  # as headlab runs it (tied top-k keys: the lowest index)
     return model.double()
 
 

@@ -27,13 +27,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options", "headlab.plugins", "headlab.numbers"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
     ("headlab.heads", "headlab.display", "headlab.markup", "headlab.resume", "headlab.preflight", "headlab.lock",
-     "headlab.outdir", "headlab.shard", "headlab.stored_weights",
+     "headlab.outdir", "headlab.shard", "headlab.stored_weights", "headlab.portable_code",
      "headlab.nmt.config", "headlab.training.config", "headlab.pruning.config"),
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
      "headlab.language_model",
-     "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable", "headlab.portable_code",
+     "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable",
      "headlab.pruning.hard_concrete", "headlab.model_description"),
     # What the features share: data and batches, and the training engine (every trainer's loop and losses).
     ("headlab.data", "headlab.training"),

@@ -36,6 +36,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, mask_heads, prune_heads
 from headlab.checkpoint import model_class_for
+from headlab.portable_code import install_tie_rule
 from support.family_matrix import (
     check_capture_equals_output_attentions,
     check_gates_at_one_change_nothing,
@@ -74,6 +75,7 @@ def build(family: str, attn_implementation: str = "sdpa", seed: int = 0) -> torc
                 parameter.add_(torch.randn_like(parameter) * 0.1)
             if family in GATED and name.endswith(f"{GATED[family][1]}.weight"):  # gates far from one another and from 1/2
                 parameter.mul_(8)
+    install_tie_rule(model)  # as headlab runs it (tied top-k keys: the lowest index)
     return model
 
 

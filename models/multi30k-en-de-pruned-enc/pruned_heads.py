@@ -34,6 +34,7 @@ import threading
 import torch
 import transformers
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 BASE_CLASS = 'MarianMTModel'  # replaced by the pruned model's own class when copied
 
@@ -837,12 +838,93 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
                                              with_kwargs=True)
 
 
+# Key selections that do not depend on the batch: ties at an indexer's top-k boundary go to the lowest index.
+#
+# transformers' sparse-attention indexers (5.24: DeepSeek-V3.2's, GLM-MoE-DSA's, dots3-note's, A.X-K2's, HY-V4's,
+# Mistral-Large-4's, GLM-5-Next's, MiniMax-M3's, DeepSeek-V4's, Qwen4-Exp's QSA; every class named ``...Indexer``)
+# keep each query's top-k keys with ``Tensor.topk``, which breaks ties in no documented order. The scores do tie: a
+# DSA index score is a weighted sum of ``relu(q . k)`` over the indexer's heads, exactly 0 for a key every head
+# scores below zero. The tied key kept then follows the tensor's length and the device, not the sentence: on a tiny
+# GLM-MoE-DSA (``attention_bias=True``, ``index_topk`` 3; the family sweep's padding check, session 40) a
+# right-padded row kept key 3 where the row alone kept key 4 (both scored 0), and its logits moved by 5e-3: the kept
+# keys are attended with the attention's own scores. :func:`install_tie_rule` (headlab calls it whenever it makes a
+# model's blocks, and a pruned model built from this file calls it too) swaps each indexer's class for a subclass of
+# the same name whose ``topk`` is a stable descending sort's first k: on untied scores transformers' own selection,
+# on ties the lowest indices, the same for a sentence alone, in any padded batch and on any device. The sort costs
+# three copies of the index scores, beside the indexer's own ``[batch, seq, index heads, keys]`` scores.
+_TIE_RULE = "_headlab_lowest_index_ties"
+_TOPK = (torch.topk, torch.Tensor.topk)
+_TIE_RULE_CLASSES: dict = {}
+
+
+def stable_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    """``torch.topk`` whose ties go to the lowest indices: the first ``k`` of a stable sort (returned sorted, which
+    ``sorted=False`` allows)."""
+    if out is not None:
+        raise TypeError("stable_topk does not write into out=")
+    values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+class _LowestIndexTies(TorchFunctionMode):
+    """Every ``topk`` run inside it is :func:`stable_topk`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _TOPK:
+            return stable_topk(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _under_tie_rule(forward, bound):
+    """``forward`` run under the rule, its signature kept (``functools.wraps``: :class:`NoHeadAttention` reads the
+    indexer's to call it as its layer does); ``bound``: a function of the instance (accelerate's hooks), else the
+    class's."""
+    if bound:
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
+            with _LowestIndexTies():
+                return forward(*args, **kwargs)
+    else:
+        @functools.wraps(forward)
+        def wrapped(self, *args, **kwargs):
+            with _LowestIndexTies():
+                return forward(self, *args, **kwargs)
+    setattr(wrapped, _TIE_RULE, True)
+    return wrapped
+
+
+def is_indexer(module):
+    """A key selector of transformers' sparse attentions (a class of ``transformers.models`` named ``...Indexer``)."""
+    cls = type(module)
+    return cls.__name__.endswith("Indexer") and cls.__module__.startswith("transformers.models.")
+
+
+def install_tie_rule(model):
+    """Make every indexer of ``model`` (once) break its top-k ties toward the lowest index (above): its class becomes
+    a subclass of the same name, no hook (so that headlab's hooks come off as they went on); a forward set on the
+    instance (accelerate's hooks, which would skip the class's) is wrapped likewise."""
+    for module in model.modules():
+        if not is_indexer(module):
+            continue
+        cls = type(module)
+        if not getattr(cls, _TIE_RULE, False):
+            if cls not in _TIE_RULE_CLASSES:
+                _TIE_RULE_CLASSES[cls] = type(cls.__name__, (cls,), {
+                    "forward": _under_tie_rule(cls.forward, bound=False), _TIE_RULE: True,
+                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            module.__class__ = _TIE_RULE_CLASSES[cls]
+        own = vars(module).get("forward")
+        if own is not None and not getattr(own, _TIE_RULE, False):
+            module.forward = _under_tie_rule(own, bound=True)
+
+
 class PrunedModel(_BASE):
     """The original class, with the pruned attention shapes of ``config.headlab_pruned``."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         apply_plan(self, config.headlab_pruned)
+        install_tie_rule(self)  # as headlab's model computed, whose selections it pruned against
         with _registry_lock():
             _share_checkpoint_conversion(self)
         record_kept_blocks(self, config.headlab_pruned)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
+from headlab.portable_code import install_tie_rule
 from support.models import VOCAB
 
 _SPECIAL = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
@@ -307,6 +308,7 @@ def perturbed_model(cls, config, seed: int = 0, attn_implementation: str = "sdpa
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+    install_tie_rule(model)  # as headlab runs it from its first block on (tied top-k keys: the lowest index)
     return model
 
 
@@ -324,6 +326,7 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") ->
                     parameter.add_(torch.randn_like(parameter) * 0.1)
             elif name.endswith("bias"):
                 parameter.normal_(0, 0.1)
+    install_tie_rule(model)
     return model
 
 

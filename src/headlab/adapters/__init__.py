@@ -65,6 +65,7 @@ from headlab.adapters.families import (
 )
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
+from headlab.portable_code import install_tie_rule
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
@@ -1004,6 +1005,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
     family = family_for(config)
+    install_tie_rule(model)  # a sparse attention's key selection the same for a sentence in any batch
     if family is not None and family.install is not None:  # XLNet's points: modules where its forward had none
         family.install(model)
     if family is not None and family.applications is not None:

@@ -55,6 +55,7 @@ from torch import nn
 
 from headlab.adapters.families import HEAD_MAPS, HEAD_NORMS, SUB_NORMS
 from headlab.errors import HeadlabError
+from headlab.portable_code import SELECTED_ATTR  # on a norm pruning keeps whole: the heads its output is narrowed to
 
 __all__ = ["PROBE", "SELECTED_ATTR", "Discovered", "ModelChanged", "discover", "maps", "ran", "selected_widths"]
 
@@ -167,9 +168,6 @@ class _Traced(torch.Tensor):
 
 _NAMED = 6  # operations a refusal names at most
 
-SELECTED_ATTR = "_headlab_selected"
-"""headlab.portable_code.SELECTED_ATTR (a lower layer: it cannot import it): on a norm over a whole query or key
-projection that pruning keeps whole, the heads its output is narrowed to (``{"of", "heads", "size"}``)."""
 
 
 def selected_widths(module: nn.Module) -> dict[int, int]:
