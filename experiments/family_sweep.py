@@ -1148,7 +1148,7 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
             # widened, the forward runs as compute_lrp runs it (importance.lrp.head_relevance): transformers' own
             # narrowings (.float(), float32 norms and softmax) kept at the widened precision
             narrow.clear()  # the explained forward's only, not lrp_rules' probes of single modules
-            with _KeptWide(widen) if widen else nullcontext():
+            with _KeptWide(run):  # as compute_lrp's forward (importance.lrp.head_relevance), at every precision
                 out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
             grads = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer])
