@@ -1179,14 +1179,13 @@ def check_lrp(model, blocks, widen: torch.dtype | None = None) -> str | None:
 
 
 def check_compute_lrp(model) -> str | None:
-    """compute_lrp as a user calls it on the half-precision model (its weights and biases as built, three padded
+    """compute_lrp as a user calls it, on the model in the sweep's dtype (its weights and biases as built, three padded
     sentences): its own conservation check passes (a RunFailed is a FAIL: the rules conserved in check_lrp), every
     score is finite, and the model comes back in its own dtype to the bit; a refusal before any work is a note."""
     from headlab.errors import RunFailed
+    from headlab.data.inputs import translate_data
     from headlab.importance import ImportanceData, compute_lrp, describe_model
 
-    if getattr(model.config, "is_encoder_decoder", False):
-        return None  # as check_lrp: not checked
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     try:
         info = describe_model(model)
@@ -1196,6 +1195,8 @@ def check_compute_lrp(model) -> str | None:
         eos = min(info.eos_ids) if info.eos_ids else 1
         g = torch.Generator().manual_seed(0)
         data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [eos] for k in (4, 6, 8)])
+        if info.is_seq2seq:  # LRP explains the model's own translation (greedy, a few tokens), as the CLI runs it
+            data = translate_data(model, data, info, max_length_a=0.5, max_length_b=3)
         scores = compute_lrp(model, data, info, bootstrap=0)
     except RunFailed as error:
         raise Fail("lrp", f"compute_lrp: {str(error).splitlines()[0][:250]}") from error
@@ -1302,10 +1303,11 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         # half-precision model in its own dtype, widened inside check_lrp after its weights are redrawn
         if dtype in HALF:
             notes.append(check_lrp(lrp_model, blocks, widen=lrp_precision(lrp_model)))
-            notes.append(check_compute_lrp(make()))
         else:
             notes.append(check_lrp(lrp_model.double() if dtype == torch.float64
                                    or lrp_precision(lrp_model) == torch.float64 else lrp_model, blocks))
+        # the user's call too, at every precision: the model as built (biases kept), its own conservation check
+        notes.append(check_compute_lrp(make()))
     except Fail as error:
         return "FAIL", error.check, str(error)
     except HeadlabError as error:
