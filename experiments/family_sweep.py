@@ -1189,9 +1189,12 @@ def check_compute_lrp(model) -> str | None:
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     try:
         info = describe_model(model)
-        vocab = model.get_input_embeddings().num_embeddings
-        if info.pad_id is not None and info.pad_id >= vocab:  # the tiny build's: a wrapper's config keeps the real
-            info = replace(info, pad_id=0)  # checkpoint's pad id (Idefics3's 128002) over the tiny vocabulary of 99
+        # I-BERT's QuantEmbedding and MusicGen's codebooks (a ModuleList) hold no num_embeddings: the config's size
+        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config_value(model.config, "vocab_size")
+        # the tiny build's: a wrapper's config keeps the real checkpoint's pad id (Idefics3's 128002) over the tiny
+        # vocabulary of 99
+        if info.pad_id is not None and isinstance(vocab, int) and info.pad_id >= vocab:
+            info = replace(info, pad_id=0)
         eos = min(info.eos_ids) if info.eos_ids else 1
         g = torch.Generator().manual_seed(0)
         data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [eos] for k in (4, 6, 8)])
