@@ -2026,6 +2026,25 @@ def _dory(config: Any) -> str | None:
             "LRP has no rule; its LM head scales each token's logit (logit_scale): headlab has checked none of these "
             "(the norm over the heads' outputs before o_proj, attn_sub_norm, would be exact: headlab.adapters."
             "families.SUB_NORMS)")
+def _nllb_moe_routing(config: Any) -> str | None:
+    # read in transformers 5.24 (models/nllb_moe, NllbMoeTop2Router.route_tokens): in evaluation mode an expert takes
+    # at most ceil(moe_eval_capacity_token_fraction x the batch's tokens), counted over the whole flattened batch, the
+    # rest of its tokens dropped; second_expert_policy "sampling" adds Gumbel noise to the logits, "random" drops
+    # second experts at random, in evaluation mode too
+    policy = getattr(config, "second_expert_policy", "all")
+    if policy in ("sampling", "random"):
+        return (f"NLLB-MoE with second_expert_policy={policy!r} routes tokens to their second expert at random, in "
+                "evaluation mode too, so every run of the same sentence computes another model; "
+                "second_expert_policy='all' (the default) is supported")
+    fraction = getattr(config, "moe_eval_capacity_token_fraction", 1.0)
+    if isinstance(fraction, (int, float)) and 0 < fraction < 1:
+        return (f"NLLB-MoE with moe_eval_capacity_token_fraction={fraction} drops, in evaluation mode, the tokens "
+                "beyond an expert's capacity, a fraction of all the batch's tokens counted over the whole batch, so "
+                "a sentence's routing depends on the sentences batched with it (a right-padded tiny model's logits "
+                "moved by 3e-3); with 1.0 (the default) no token is dropped and it is supported")
+    return None
+
+
 def _longt5_transient_global(config: Any) -> str | None:
     # read in transformers 5.24 (models/longt5): LongT5TransientGlobalAttention concatenates, after each block's
     # 3 * block_len local keys, one side key per global block of global_block_size tokens, the sum of their layer-
@@ -2044,7 +2063,7 @@ UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
                                                                "led": _longformer_windows, "mvp": _mvp_prompts,
-                                                               "dory": _dory,
+                                                               "dory": _dory, "nllb-moe": _nllb_moe_routing,
                                                                "longt5": _longt5_transient_global,
                                                                "xlnet": _xlnet}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
