@@ -14,22 +14,36 @@ local blocks, three global blocks, the last token an orphan of the third), a bat
   here) to float32's precision (its softmax is float32 in any dtype); with the side keys' share the module returns,
   every real token's row sums to one, and that share is not zero: the map's rows sum to less than one;
 * masking a head equals zeroing its value rows (the side values too: one v); gates at one change nothing;
+* physical pruning (tests/support/seq2seq_families.py's plans: the encoder's first layer, which computes the shared
+  [local | side] bias, pruned or left with no head) equals masking on the padded batch and in cached greedy
+  generation; each pruned layer is handed its kept heads' columns of both position tables, which stay whole (without
+  that hook pruning fails; with the side keys' columns of other heads it differs: refused); the directory save_pruned
+  writes reloads with load_pruned and plain transformers (pruned_heads.py's transient_global_bias_hook);
 
 Every test here fails on main, where attention_blocks refused the model (UNSUPPORTED_CONFIGS["longt5"]).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention
-from support.family_matrix import check_gates_at_one_change_nothing, perturbed_model
+from headlab import attention_blocks, capture_attention, prune_heads
+from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model
 from support.longt5 import dense_maps
-from support.seq2seq_families import KINDS, check_masking_equals_zeroed
+from support.seq2seq_families import (
+    KINDS,
+    SPECS,
+    check_masking_equals_zeroed,
+    check_pruned_equals_masked,
+    check_pruned_reloads,
+)
 
 RADIUS, GLOBAL_BLOCK, N = 1, 2, 7
+STEPS = 5
 
 
 def _config(**extra) -> tf.LongT5Config:
@@ -182,3 +196,76 @@ def test_masking_equals_zeroed_values(kind):
 
 def test_gates_at_one_change_nothing():
     check_gates_at_one_change_nothing(tiny_tglobal(), _inputs())
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_equals_masked_and_generates_so(spec_name):
+    """Pruned (q/k/v rows and o columns sliced; both position tables of the first layer kept whole, each pruned layer
+    handed its kept heads' columns of the [local | side] bias with the masks folded in; a layer with no head left,
+    the first one too: zeros) equals masked in float64: the padded batch's logits and cached greedy generation."""
+    model = tiny_tglobal()
+    counts = check_pruned_equals_masked(model, SPECS[spec_name], _inputs(), STEPS)
+    first = model.encoder.block[0].layer[0].TransientGlobalSelfAttention
+    assert first.relative_attention_bias.weight.shape == first.global_relative_attention_bias.weight.shape == (8, 4)
+    core = model.encoder.block[1].layer[0].TransientGlobalSelfAttention
+    kept = counts[("enc_self", 1)]
+    assert (core.n_heads, core.inner_dim, core.q.weight.shape, core.o.weight.shape) == (
+        kept, 8 * kept, (8 * kept, 32), (32, 8 * kept))
+
+
+def _side_columns_of_heads_0_up(source):
+    """The transient-global bias hook but for the side keys' columns: those of heads 0, 1, .. (as many as the layer
+    kept), not of the heads it kept (a global table left unsliced per head)."""
+    from headlab.portable_code import KEPT_ATTR, transient_global_bias_hook
+
+    right = transient_global_bias_hook(source)
+
+    def hook(module, args, kwargs):
+        kept = getattr(module, KEPT_ATTR)
+        _, good = right(module, args, dict(kwargs))
+        setattr(module, KEPT_ATTR, list(range(len(kept))))
+        try:
+            _, other = right(module, args, dict(kwargs))
+        finally:
+            setattr(module, KEPT_ATTR, kept)
+        width = 3 * module.block_len
+        bias = torch.cat([good["position_bias"][..., :width], other["position_bias"][..., width:]], -1)
+        return args, {**kwargs, "position_bias": bias}
+    return hook
+
+
+@pytest.mark.parametrize("hook", ["none", "side columns of other heads"])
+def test_pruning_needs_its_bias_hook(monkeypatch, hook):
+    """The regression the transient-global bias hook fixes: without a hook (the stack handing on layer 0's bias of its
+    kept heads only) pruning the encoder fails; with the side keys' bias of other heads than the kept ones (the global
+    table not sliced with the heads), it differs from masking. Both refused, the model left whole."""
+    from headlab import surgery
+    from headlab.adapters import families
+    from headlab.errors import PruningNotExact
+
+    if hook == "none":
+        monkeypatch.setitem(families.FAMILIES, "longt5", dataclasses.replace(
+            families.LONGT5, parts=(families.LONGT5_DECODER,
+                                    dataclasses.replace(families.LONGT5_TRANSIENT_GLOBAL, shared_bias=""))))
+    else:
+        monkeypatch.setattr(surgery, "_transient_global_bias_hook", _side_columns_of_heads_0_up)
+    model, inputs = tiny_tglobal(), _inputs()
+    before = logits(model, inputs)
+    why = "fails in enc_self layer 0" if hook == "none" else "differs from the masked one in enc_self layer 0"
+    with pytest.raises(PruningNotExact, match=why):
+        prune_heads(model, {("enc_self", 0): [1], ("enc_self", 1): [0, 2]})
+    assert torch.equal(logits(model, inputs), before)
+    assert [b.n_heads for b in attention_blocks(model)] == [4] * 6
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_reloads(spec_name, tmp_path):
+    """save_pruned, then load_pruned and plain transformers (pruned_heads.py, trust_remote_code; every weight loaded):
+    the masked model's logits (1e-12) and cached greedy tokens; the plan hands the encoder's layers the
+    transient-global bias, the decoder's T5's."""
+    import json
+
+    check_pruned_reloads(tiny_tglobal(), SPECS[spec_name], _inputs(), tmp_path, set(), STEPS)
+    plan = json.loads((tmp_path / "config.json").read_text())["headlab_pruned"]["shared_bias"]
+    assert {kind for path, (_, _, kind) in plan.items() if path.startswith("encoder.")} == {"transient-global"}
+    assert {kind for path, (_, _, kind) in plan.items() if path.startswith("decoder.")} == {"t5"}

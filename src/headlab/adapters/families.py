@@ -185,7 +185,9 @@ class Family:
     input_readers: tuple[str, ...] = ()
     """Children of ``core`` that read the layer's input only, never a head's rows, and whose output no head's output
     reaches (Qwen4-Exp's QSA indexer ``indexer``: a key selection from its own projection of the layer's input, folded
-    into the mask before the attention function): pruning leaves them whole, whatever their widths."""
+    into the mask before the attention function; LongT5 transient-global's ``global_input_layer_norm``, over the sum of
+    each global block's input states, of the model's width, before the layer's k and v): pruning leaves them whole,
+    whatever their widths, and takes none for a norm over a projection's heads."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -898,6 +900,7 @@ LONGT5_TRANSIENT_GLOBAL = replace(
     probs_reader=longt5_transient_global_probs,
     width_attrs=("inner_dim",),
     shared_bias="transient-global",
+    input_readers=("global_input_layer_norm",),
 )
 LONGT5 = replace(
     T5,
