@@ -431,8 +431,6 @@ class NoHeadAttention(nn.Module):
             # a partial, not a bound method: the model pickles (a bound method is rebuilt by getattr on a module not
             # yet restored) and a deep copy binds its own copy
             self.compute_bias = functools.partial(type(original).compute_bias, self)
-        if hasattr(original, "compute_side_bias"):  # LongT5's transient-global first layer: the side keys' table too
-            self.compute_side_bias = functools.partial(type(original).compute_side_bias, self)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -739,14 +737,22 @@ class StackBiasHook:
         kept = getattr(module, self.attr)
         hidden = args[0] if args else kwargs["hidden_states"]
         mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-        with _table_loaded(self.source), _table_loaded(self.source, "global_relative_attention_bias") as table:
-            bias = self.source.compute_bias(module.block_len)[:, :, kept].to(hidden.device)
-            if mask is not None:
-                local = longt5._get_local_attention_mask(mask, module.block_len, hidden.device)
-                bias = bias + torch.where(local > 0, 0.0, -1e10).transpose(1, 2)
-            real = mask if mask is not None else torch.ones(hidden.shape[:2], device=hidden.device)
-            _, segments = longt5._make_global_fixed_block_ids(real, module.global_block_size)
-            side = self.source.compute_side_bias(real.to(table), segments.to(table))[:, kept].to(hidden.device)
+        source = self.source
+        with _table_loaded(source):  # on the table's device (compute_bias's own choice), then the layer's
+            bias = source.compute_bias(module.block_len)[:, :, kept].to(hidden.device)
+        with _table_loaded(source, "global_relative_attention_bias"):  # its kept columns, on the layer's device
+            columns = source.global_relative_attention_bias.weight[:, kept].to(hidden.device)
+        if mask is not None:
+            local = longt5._get_local_attention_mask(mask, module.block_len, hidden.device)
+            bias = bias + torch.where(local > 0, 0.0, -1e10).transpose(1, 2)
+        # compute_side_bias on the layer's device (the mask's): the kept columns looked up by its buckets
+        real = mask if mask is not None else torch.ones(hidden.shape[:2], device=hidden.device)
+        _, segments = longt5._make_global_fixed_block_ids(real, module.global_block_size)
+        buckets = source._relative_position_bucket(
+            longt5._make_side_relative_position_ids(real, module.global_block_size), bidirectional=not source.is_decoder,
+            num_buckets=source.relative_attention_num_buckets, max_distance=source.relative_attention_max_distance)
+        seen = torch.eq(real[..., None], segments[:, None, :])[:, None, ...]  # [batch, 1, seq, global blocks]
+        side = torch.where(seen > 0, 0.0, -1e10) + columns[buckets].permute(0, 3, 1, 2)
         side = longt5._split_into_blocks(side, module.block_len, dim=-2).transpose(1, 2)
         return _position_bias_handed(args, kwargs, torch.cat([bias.type(hidden.dtype), side.type(hidden.dtype)], -1))
 
