@@ -12,7 +12,8 @@ local blocks, three global blocks, the last token an orphan of the third), a bat
 * capture's encoder map equals transformers' ``output_attentions`` windows put in place (tests/support/longt5.py) bit
   for bit, and the probabilities recomputed by hand from the layer's projections (side keys from the aggregates built
   here) to float32's precision (its softmax is float32 in any dtype); with the side keys' share the module returns,
-  every real token's row sums to one, and that share is not zero: the map's rows sum to less than one;
+  every real token's row sums to one, and that share is not zero: the map's rows sum to less than one; the
+  right-padded row maps as it does alone (its padded batch has one global block more, masked);
 * masking a head equals zeroing its value rows (the side values too: one v); gates at one change nothing;
 * physical pruning (tests/support/seq2seq_families.py's plans: the encoder's first layer, which computes the shared
   [local | side] bias, pruned or left with no head) equals masking on the padded batch and in cached greedy
@@ -349,3 +350,22 @@ def test_analyze_end_to_end(tmp_path, capsys):
     """`headlab analyze --ablation` on a saved tiny transient-global LongT5 (a word tokenizer with Marian's special
     ids): every stage but pruning and the figures done, LRP and ablation included; the decoder's maps causal."""
     check_analyze_end_to_end(tiny_tglobal().float(), tmp_path, capsys)
+
+
+def test_a_right_padded_row_maps_as_alone():
+    """The right-padded row (as headlab's batches pad) has the encoder maps it has alone, its padding cut: its global
+    blocks are counted from its first token either way and the padded batch's extra global block is masked (-1e10:
+    probability exactly 0). (A left-padded row's blocks are counted from the padding's first slot: transformers'
+    own computation, which capture reads as it is.)"""
+    model, inputs = tiny_tglobal(), _inputs()
+    length = int(inputs["attention_mask"][1].sum())
+    alone = {"input_ids": inputs["input_ids"][1:2, :length], "attention_mask": inputs["attention_mask"][1:2, :length],
+             "decoder_input_ids": inputs["decoder_input_ids"][1:2]}
+    with torch.no_grad(), capture_attention(model) as record:
+        model(**inputs)
+    batched = {key: value[1:2].clone() for key, value in record.items()}
+    with torch.no_grad(), capture_attention(model) as record:
+        model(**alone)
+    for layer in (0, 1):
+        torch.testing.assert_close(batched[("enc_self", layer)][..., :length, :length], record[("enc_self", layer)],
+                                   atol=1e-12, rtol=0)
