@@ -125,8 +125,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
     # dots3-note's text model: the same indexer, an output gate per head (its validator wants the MLA head counts)
     "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
-    # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded)
-    "longt5": {"local_radius": 2},
+    # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded); its transient-
+    # global attention (variant_sweep's encoder_attention_type): side keys of blocks of 2 tokens (3 of them, an orphan)
+    "longt5": {"local_radius": 2, "global_block_size": 2},
     "pegasus_x": {"block_size": 4, "num_global_tokens": 3},  # several blocks of the 7 tokens, staggered and not
     # BigBird's block-sparse attention (its default; BigBird-Pegasus's encoder's): blocks of 2 tokens, one random
     # block, so that inputs longer than (5 + 2 x 1) x 2 = 14 tokens run it (inputs_for gives 18: block_sparse_probe)
@@ -761,10 +762,12 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
         encoder = dense_maps(out.encoder_attentions, out.encoder_global_attentions,
                              inputs.get("global_attention_mask"), model.config.attention_window)
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
-    if model.config.model_type == "longt5":  # its local encoder's blocks put in place in [batch, heads, q, k]
+    if model.config.model_type == "longt5":  # its encoder's local windows put in place in [batch, heads, q, k] (the
+        # transient-global encoder's side keys after them left out)
         from support.longt5 import dense_maps as longt5_maps
 
-        encoder = longt5_maps(out.encoder_attentions, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
+        windows = [a[..., :3 * a.shape[3]] for a in out.encoder_attentions]
+        encoder = longt5_maps(windows, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
     if model.config.model_type == "pegasus_x":  # its encoder's blocks put in place, the global tokens' share left out
         from support.pegasus_x import dense_maps as pegasus_x_maps
