@@ -820,6 +820,13 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))
             embedding.embedding_dim = columns
+        for path, channels in plan.get("depthwise", {}).items():  # Inkling's k_sconv / v_sconv: kept heads' channels
+            conv = model.get_submodule(path)
+            conv.weight = nn.Parameter(conv.weight.new_empty(channels, *conv.weight.shape[1:]),
+                                       requires_grad=conv.weight.requires_grad)
+            if conv.bias is not None:
+                conv.bias = nn.Parameter(conv.bias.new_empty(channels), requires_grad=conv.bias.requires_grad)
+            conv.in_channels = conv.out_channels = conv.groups = channels
         for path, (kept, n_kv_heads) in plan.get("value_embeds", {}).items():  # NeoMME's value embeddings, narrowed
             module = model.get_submodule(path)
             setattr(module, VALUE_EMBEDS_ATTR, list(kept))

@@ -266,6 +266,47 @@ def head_biases(block: AttentionBlock) -> list[tuple[nn.Module, str, str]]:
     return found
 
 
+def kv_conv_modules(block: AttentionBlock) -> list[tuple[nn.Conv1d, str]]:
+    """The depthwise convolutions of ``block.family.kv_convs`` over the key ("k") or value ("v") channels (Inkling's
+    ``k_sconv.conv1d``, ``v_sconv.conv1d``), as (convolution, role); a layer left with no head keeps them, sliced to
+    no channel, as children of its stand-in."""
+    found = []
+    for path, role in block.family.kv_convs:
+        try:
+            conv = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(conv, nn.Conv1d):
+            found.append((conv, role))
+    return found
+
+
+def _kv_conv_problem(block: AttentionBlock) -> str | None:
+    """Why a convolution of ``block.family.kv_convs`` is not one whose key/value heads' channels can be sliced out
+    exactly: each must be depthwise (``groups`` = input = output channels, weight ``[channels, 1, kernel]``) over the
+    key (``n_kv_heads x d_qk``) or value (``n_kv_heads x d_head``) width; None where each is."""
+    for conv, role in kv_conv_modules(block):
+        width = block.n_kv_heads * (block.d_qk if role == "k" else block.d_head)
+        channels = (conv.in_channels, conv.out_channels, conv.groups)
+        if channels != (width,) * 3 or tuple(conv.weight.shape[:2]) != (width, 1):
+            return (f"its {'key' if role == 'k' else 'value'} convolution {_child_name(block, conv)} (in {conv.in_channels}"
+                    f", out {conv.out_channels}, groups {conv.groups}, weight {list(conv.weight.shape)}) is not "
+                    f"depthwise over the {width} channels of its {block.n_kv_heads} key/value heads, the one "
+                    "convolution whose heads' channels headlab slices")
+    return None
+
+
+def _slice_depthwise(conv: nn.Conv1d, index: torch.Tensor, journal: _Journal) -> None:
+    """Keep channels ``index`` of a depthwise ``nn.Conv1d`` (one kernel per channel: weight ``[channels, 1, kernel]``):
+    their kernels (and bias entries), ``groups`` the channels left. A layer with no head keeps none (never called)."""
+    index = index.to(conv.weight.device)
+    _replace(conv, "weight", conv.weight.index_select(0, index), journal)
+    if conv.bias is not None:
+        _replace(conv, "bias", conv.bias.index_select(0, index), journal)
+    for name in ("in_channels", "out_channels", "groups"):
+        journal.set(conv, name, len(index))
+
+
 def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
     """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
     found = [getattr(block.core, path, None) for path in block.family.head_columns]
@@ -549,6 +590,8 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None:  # Doge's dt_proj and A: rows and entries per key/value head, columns per its values
         _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
+    for conv, role in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
+        _slice_depthwise(conv, _head_index(kv_keep, block.d_qk if role == "k" else d, device), journal)
     for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
@@ -1567,6 +1610,10 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
+    problem = _kv_conv_problem(block) if block.n_heads else None
+    if problem:  # Inkling's k_sconv / v_sconv, sliced only where depthwise over the heads' channels
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {problem}; mask the heads "
+                           "instead (mask_heads, or headlab prune train's gates)")
     # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own (named
     # as such, before the general rule below would name them as modules spanning the heads' channels)
     unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
@@ -1635,7 +1682,8 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     as ``"name (Class weight [shape])"``."""
     dynamic = kv_dynamic_mask(block)
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
-                          *head_row_modules(block), dynamic[0] if dynamic else None) if m is not None]
+                          *head_row_modules(block), dynamic[0] if dynamic else None,
+                          *(conv for conv, _ in kv_conv_modules(block))) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
     # a head-rows projection at the end of an nn.Sequential (Zamba 2's attention adapters, QKV_ADAPTERS): the maps
     # before it read the layer's input into a latent all heads share (the rank), which stays whole
@@ -1762,6 +1810,8 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
+        for conv, _ in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
+            plan.setdefault("depthwise", {})[names[id(conv)]] = int(conv.out_channels)
         _plan_sub_norm(block, names, plan)
         attrs = {}
         family = block.family

@@ -41,6 +41,7 @@ from headlab.adapters.families import (
     FUSED_ATTENTION_CLASSES,
     HEAD_MAPS,
     HEAD_VECTORS,
+    KV_CHANNEL_CONVS,
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
@@ -52,6 +53,7 @@ from headlab.adapters.families import (
     PROBE_FAILURES,
     PRUNING_REFUSED,
     QKV_ADAPTERS,
+    QKV_HEAD_ROWS,
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
     SINKS_SCALE_OUTPUT,
@@ -421,24 +423,32 @@ def _is_projection(module: nn.Module | None) -> bool:
 
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
-    """A layer of a :data:`QKV_OUTPUT_GATES` type pruned to no head: its stand-in keeps the gate's projection, sliced
-    to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's); one of a
-    :data:`QKV_ADAPTERS` type keeps its adapters' rows as pruning found them (the stand-in's ``stands_for_block``)."""
+    """A layer of a :data:`QKV_OUTPUT_GATES` or :data:`QKV_HEAD_ROWS` type pruned to no head: its stand-in keeps the
+    gate's (or its own rows') projection, sliced to no row, which ``head_rows`` names, and its
+    :data:`KV_CHANNEL_CONVS` sliced to no channel, which ``kv_convs`` names, so that a saved pruned model records their
+    widths (as its q/k/v's); one of a :data:`QKV_ADAPTERS` type keeps its adapters' rows as pruning found them (the
+    stand-in's ``stands_for_block``)."""
     module, family = candidate[3], candidate[4]
     recorded = getattr(_core_of(candidate), "stands_for_block", None)
     if model_type in QKV_ADAPTERS and isinstance(recorded, tuple) and len(recorded) == 2 \
             and isinstance(recorded[1], Family) and recorded[1].head_rows:  # Zamba 2's adapters, sliced to no row
         return (*candidate[:4], dataclasses.replace(family, head_rows=recorded[1].head_rows,
                                                     head_row_values=recorded[1].head_row_values))
-    gate = QKV_OUTPUT_GATES.get(model_type)
-    rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
+    gate, own = QKV_OUTPUT_GATES.get(model_type), QKV_HEAD_ROWS.get(model_type)  # Inkling's r_proj: own rows
+    rows = tuple((path, attrs) for path, attrs in (*(gate(module)[0] if gate else ()), *(own(module) if own else ()))
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
-    return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
+    biases = tuple(path for path, _ in (own(module) if own else ()) if path in dict(rows))
+    # Inkling's k_sconv / v_sconv, sliced to no channel: recorded, so that a saved model keeps their width
+    convs = tuple((path, role) for path, role in KV_CHANNEL_CONVS.get(model_type, ())
+                  if isinstance(_get(module, path), nn.Conv1d))
+    if not rows and not convs:
+        return candidate
+    return (*candidate[:4], dataclasses.replace(family, head_rows=rows, bias_rows=biases, kv_convs=convs))
 
 
 # The tables discovery reads by model type (adapters.families): a wrapper's language model is listed under its own type
 _TYPE_TABLES = (OUTPUT_GATES, LATENT_ATTENTION, QKV_OUTPUT_GATES, QKV_ADAPTERS, ATTENTION_SINKS, KV_DYNAMIC_MASKS,
-                HEAD_VECTORS, ATTENTION_SUBLAYERS)
+                HEAD_VECTORS, ATTENTION_SUBLAYERS, QKV_HEAD_ROWS, KV_CHANNEL_CONVS)
 
 
 def _table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
@@ -580,6 +590,14 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
                                "rows per head for (its forward differs from the one headlab read)")
         family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
                                      head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
+    if item.q is not None and model_type in QKV_HEAD_ROWS:  # Inkling's r_proj: rows per query head, sliced with them
+        rows = tuple((prefix + path, attrs) for path, attrs in QKV_HEAD_ROWS[model_type](core))
+        family = dataclasses.replace(family, head_rows=(*family.head_rows, *rows),
+                                     bias_rows=tuple(path for path, _ in rows))
+    if item.q is not None and model_type in KV_CHANNEL_CONVS:  # Inkling's k_sconv / v_sconv: channels per k/v head
+        convs = tuple((prefix + path, role) for path, role in KV_CHANNEL_CONVS[model_type]
+                      if isinstance(_get(core, path), nn.Conv1d))
+        family = dataclasses.replace(family, kv_convs=convs)
     for path in item.head_maps:  # NeoMME's exclusive_self_attention (HEAD_MAPS): one entry per head, its own groups
         holder = path[len(prefix):] if path.startswith(prefix) else path
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]

@@ -104,6 +104,15 @@ class Family:
     """(projection, vector), paths relative to the block, of a dynamic mask per key/value head computed from the
     values of every key/value head (Doge's ``dt_proj`` and ``A``, :data:`KV_DYNAMIC_MASKS`): physical pruning keeps
     every key/value head, slicing them with the key/value heads (rows, entries) and their values (columns)."""
+    bias_rows: tuple[str, ...] = ()
+    """Those of ``head_rows`` whose outputs feed only a bias of the scores that LRP has a rule for (Inkling's ``r_proj``,
+    read by ``rel_logits_proj``, whose output that rule detaches: :mod:`headlab.importance.mixer_rules.inkling`):
+    LRP leaves them to that rule, where it detaches the other head rows itself, so that a forward using them otherwise
+    still fails the rule's conservation probe."""
+    kv_convs: tuple[tuple[str, str], ...] = ()
+    """(path relative to the block, "k" or "v") of depthwise convolutions over the key or value projection's channels
+    (``groups`` = channels, one kernel per channel, no channel reading another: Inkling's ``k_sconv.conv1d`` and
+    ``v_sconv.conv1d``, :data:`KV_CHANNEL_CONVS`): physical pruning keeps the kept key/value heads' channels of each."""
     head_columns: tuple[str, ...] = ()
     """Embeddings of ``core`` (paths relative to it) with one column per head, read in head order by its own
     forward (UMT5's ``relative_attention_bias``, ``[buckets, heads]``, in every self-attention layer; absent
@@ -638,6 +647,36 @@ def neomme_gate(core: Any) -> GateRows:
     ``exclusive_self_attention``, :data:`HEAD_MAPS`) reshaped ``[batch, seq, heads * head_dim]`` and ``gate_proj``
     hidden -> heads x head_dim: head h's gate is rows ``h * head_dim ..``."""
     return (("output_projection.gate_proj", ("head_dim",)),), ()
+
+
+def inkling_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """Inkling (``InklingAttention``, transformers 5.24): ``r_proj`` (hidden -> heads x ``config.d_rel``) is viewed
+    ``[batch, seq, heads, d_rel]`` and ``rel_logits_proj`` maps each head's ``d_rel`` features to that head's bias of
+    the scores only: head h owns rows ``h * d_rel ..``. None where the module has no such projection or size."""
+    d_rel = getattr(getattr(core, "config", None), "d_rel", None)
+    if not isinstance(d_rel, int) or isinstance(d_rel, bool) or d_rel <= 0 or getattr(core, "r_proj", None) is None:
+        return ()
+    return (("r_proj", (d_rel,)),)
+
+
+QKV_HEAD_ROWS: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ...]], ...]]] = dict.fromkeys(
+    ["inkling_text", "inkling"], inkling_rows)
+"""Model types whose attention, beside its q/k/v projections, has projections of the layer's input with rows per
+query head that only that head reads (each function's docstring: read off transformers 5.24's forward), giving
+``Family.head_rows`` from the attention module: physical pruning slices them with the heads."""
+
+KV_CHANNEL_CONVS: dict[str, tuple[tuple[str, str], ...]] = dict.fromkeys(
+    ["inkling_text", "inkling"], (("k_sconv.conv1d", "k"), ("v_sconv.conv1d", "v")))
+"""Model types whose attention runs a depthwise convolution over the key or value projection's channels before the
+attention function (``Family.kv_convs``: path relative to the attention module, "k" or "v"). Inkling
+(``InklingShortConvolution``, transformers 5.24): ``u + conv1d(u)`` over time in float32, ``conv1d`` an ``nn.Conv1d``
+with ``groups`` = channels (one causal kernel per channel, no bias), the padded positions zeroed first
+(``conv_mask``, per position) and the last ``kernel - 1`` inputs of each channel kept in the cache's conv states
+(``cache.update_conv_state``, sized from the input on first use). No channel reads another, and the key norm
+(``k_norm``) acts per head after it, so a key/value head's keys and values come from its own channels only: physical
+pruning keeps the kept key/value heads' channels (their kernels), and a pruned layer's conv states hold those
+channels alone. headlab checks each is such a convolution before slicing it
+(:func:`headlab.surgery.check_block_sliceable`)."""
 
 
 def inkling2_gate(core: Any) -> GateRows:
