@@ -281,6 +281,88 @@ def kv_conv_modules(block: AttentionBlock) -> list[tuple[nn.Conv1d, str]]:
     return found
 
 
+def head_tables(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The parameters of ``block.family.head_tables`` (a row per query head: Inkling2's norms' ``scale``), as (owning
+    module, name)."""
+    found = []
+    for path in block.family.head_tables:
+        owner_path, _, name = path.rpartition(".")
+        try:
+            owner = block.module.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(owner, name, None), torch.Tensor):
+            found.append((owner, name))
+    return found
+
+
+def count_holders(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The sub-modules of ``block.family.count_holders`` with an int ``num_heads`` (Inkling2's
+    ``relative_position_bias``: query heads, "q"; its dynamic convolutions: key/value heads, "kv"), as (module, role)."""
+    found = []
+    for path, role in block.family.count_holders:
+        try:
+            holder = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(holder, "num_heads", None), int):
+            found.append((holder, role))
+    return found
+
+
+def kv_dynamic_convs(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The dynamic convolutions of ``block.family.kv_dynamic_convs`` (Inkling2's full-attention layers'
+    ``k_proj.sconv``, ``v_proj.sconv``: ``static_weight`` and ``weight_proj``), as (module, "k" or "v")."""
+    found = []
+    for path, role in block.family.kv_dynamic_convs:
+        try:
+            conv = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(conv, "static_weight", None), torch.Tensor) and \
+                isinstance(getattr(conv, "weight_proj", None), nn.Linear):
+            found.append((conv, role))
+    return found
+
+
+def _head_parts_problem(block: AttentionBlock) -> str | None:
+    """Why a part of ``block`` that pruning slices per head by its tables (``Family.head_tables``, ``count_holders``,
+    ``kv_dynamic_convs``) does not have the sizes the slicing assumes (one row per query head; a head count equal to
+    the block's; ``static_weight`` ``[kernel, channels]`` and ``weight_proj`` of kernel rows per key/value head);
+    None where each has."""
+    for owner, name in head_tables(block):
+        table = getattr(owner, name)
+        if table.dim() < 1 or table.shape[0] != block.n_heads:
+            return (f"its {_child_name(block, owner)}.{name} {list(table.shape)} is not one row per query head of the "
+                    f"{block.n_heads}, which pruning would slice with the heads")
+    for holder, role in count_holders(block):
+        count = block.n_heads if role == "q" else block.n_kv_heads
+        if holder.num_heads != count:
+            return (f"its {_child_name(block, holder)} views its states by num_heads={holder.num_heads}, not the "
+                    f"block's {count} {'query' if role == 'q' else 'key/value'} heads")
+    for conv, role in kv_dynamic_convs(block):
+        width = block.n_kv_heads * (block.d_qk if role == "k" else block.d_head)
+        static, projection = cast(torch.Tensor, conv.static_weight), cast(nn.Linear, conv.weight_proj)
+        kernel = static.shape[0] if static.dim() == 2 else -1
+        if static.dim() != 2 or static.shape[1] != width or projection.out_features != block.n_kv_heads * kernel \
+                or getattr(conv, "conv_kernel_size", None) != kernel:
+            return (f"its dynamic convolution {_child_name(block, conv)} (static_weight {list(static.shape)}, weight_proj "
+                    f"{projection.in_features} -> {projection.out_features}) does not hold a kernel per channel of its "
+                    f"{width} and one per key/value head of its {block.n_kv_heads}, as headlab's slicing reads it")
+    return None
+
+
+def _slice_dynamic_conv(conv: nn.Module, channels: torch.Tensor, kv_keep: list[int], journal: _Journal) -> None:
+    """Keep the kept channels' columns of a dynamic convolution's ``static_weight`` (``[kernel, channels]``), the kept
+    key/value heads' ``kernel`` rows each of ``weight_proj`` (repeats allowed), and set ``num_heads``."""
+    static = cast(torch.Tensor, conv.static_weight)
+    kernel = static.shape[0]
+    _replace(conv, "static_weight", static.index_select(1, channels.to(static.device)), journal)
+    projection = cast(nn.Linear, conv.weight_proj)
+    _slice_outputs(projection, _head_index(kv_keep, kernel, projection.weight.device), journal)
+    journal.set(conv, "num_heads", len(kv_keep))
+
+
 def _kv_conv_problem(block: AttentionBlock) -> str | None:
     """Why a convolution of ``block.family.kv_convs`` is not one whose key/value heads' channels can be sliced out
     exactly: each must be depthwise (``groups`` = input = output channels, weight ``[channels, 1, kernel]``) over the
@@ -592,6 +674,14 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
     for conv, role in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
         _slice_depthwise(conv, _head_index(kv_keep, block.d_qk if role == "k" else d, device), journal)
+    for dynamic_conv, role in kv_dynamic_convs(block):  # Inkling2's full layers: channels and rows per key/value head
+        _slice_dynamic_conv(dynamic_conv, _head_index(kv_keep, block.d_qk if role == "k" else d, device), kv_keep,
+                            journal)
+    for owner, name in head_tables(block):  # a row per query head: Inkling2's norms' scale
+        table = getattr(owner, name)
+        _replace(owner, name, table.index_select(0, torch.tensor(keep, dtype=torch.long, device=table.device)), journal)
+    for holder, role in count_holders(block):  # Inkling2's relative_position_bias, dynamic convolutions: num_heads
+        journal.set(holder, "num_heads", len(keep) if role == "q" else len(kv_keep))
     for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
@@ -1610,7 +1700,7 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
-    problem = _kv_conv_problem(block) if block.n_heads else None
+    problem = (_kv_conv_problem(block) or _head_parts_problem(block)) if block.n_heads else None
     if problem:  # Inkling's k_sconv / v_sconv, sliced only where depthwise over the heads' channels
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {problem}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
@@ -1683,8 +1773,10 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     dynamic = kv_dynamic_mask(block)
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
                           *head_row_modules(block), dynamic[0] if dynamic else None,
-                          *(conv for conv, _ in kv_conv_modules(block))) if m is not None]
-    known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
+                          *(conv for conv, _ in kv_conv_modules(block)),
+                          *(conv for conv, _ in kv_dynamic_convs(block))) if m is not None]
+    known = {id(p) for m in sliced for p in m.parameters()}
+    known |= {id(getattr(owner, name)) for owner, name in head_tables(block)}  # Moshi's MoshiLinear holds the projection as .linear
     # a head-rows projection at the end of an nn.Sequential (Zamba 2's attention adapters, QKV_ADAPTERS): the maps
     # before it read the layer's input into a latent all heads share (the rank), which stays whole
     known |= {id(p) for path, _ in block.family.head_rows if "." in path
@@ -1812,6 +1904,15 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
         for conv, _ in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
             plan.setdefault("depthwise", {})[names[id(conv)]] = int(conv.out_channels)
+        for owner, name in head_tables(block):  # Inkling2's norms' scale: a row per kept head
+            plan.setdefault("parameters", {})[f"{names[id(owner)]}.{name}"] = list(getattr(owner, name).shape)
+        for dynamic_conv, _ in kv_dynamic_convs(block):  # Inkling2's full layers: static taps, weight_proj, num_heads
+            path = names[id(dynamic_conv)]
+            plan["projections"][f"{path}.weight_proj"] = list(_projection(cast(nn.Module, dynamic_conv.weight_proj)))
+            plan.setdefault("parameters", {})[f"{path}.static_weight"] = list(
+                cast(torch.Tensor, dynamic_conv.static_weight).shape)
+        for holder, _ in count_holders(block):  # each sub-module's own head count (set at init from the config)
+            plan["attributes"].setdefault(names[id(holder)], {})["num_heads"] = int(holder.num_heads)
         _plan_sub_norm(block, names, plan)
         attrs = {}
         family = block.family
