@@ -646,7 +646,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
                                      group_holders=(*family.group_holders, holder))
     if model_type in LRP_REFUSED:  # Inkling2's: parts that no LRP rule covers
         family = dataclasses.replace(family, lrp_refused=LRP_REFUSED[model_type])
-    if model_type in PRUNING_REFUSED:  # Inkling2's: per-head parts that pruning does not slice
+    if model_type in PRUNING_REFUSED:  # per-head parts that pruning does not slice (none listed since session 41)
         family = dataclasses.replace(family, prune_refused=PRUNING_REFUSED[model_type])
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)

@@ -229,7 +229,7 @@ class Family:
     (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
     prune_refused: str = ""
-    """Why physical pruning refuses this block where LRP may not ('' elsewhere: Inkling2's, :data:`PRUNING_REFUSED`)."""
+    """Why physical pruning refuses this block where LRP may not ('' elsewhere: :data:`PRUNING_REFUSED`, Inkling2's in session 40)."""
     output_calls: int = 1
     """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
     global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
@@ -746,8 +746,7 @@ def inkling2_gate(core: Any) -> GateRows:
     """Inkling2 (``Inkling2SlidingAttention``, ``Inkling2FullAttention``): ``o_proj`` (``Inkling2GatedOutputProjection``)
     computes ``linear(attn_output * sigmoid(gate_proj(hidden_states)))``, ``attn_output`` the attention function's output
     reshaped ``[batch, seq, heads * head_dim]`` and ``gate_proj`` hidden -> heads x head_dim: head h's gate is rows
-    ``h * head_dim ..``. Its other per-head rows (``sink_proj``, ``relative_position_bias``) and its key/value short
-    convolutions are not sliced: physical pruning of Inkling2 is refused (:data:`PRUNING_REFUSED`)."""
+    ``h * head_dim ..``. Its other per-head rows (``sink_proj``, ``relative_position_bias``): :func:`inkling2_rows`."""
     return (("o_proj.gate_proj", ("head_dim",)),), ()
 
 
@@ -802,16 +801,13 @@ PROBE_FAILURES: dict[str, str] = dict.fromkeys(
 their forward fail as built), not guessed by the names of its projections (before: "cannot read the output width of
 Inkling2QueryProjection")."""
 
-PRUNING_REFUSED: dict[str, str] = dict.fromkeys(
-    ["inkling2_loop_text", "inkling2_loop"],
-    "besides the rows of its q, k, v, o and gate projections, each head owns a row of its query norm's scale "
-    "(q_proj.norm.scale), a row of sink_proj, d_rel rows of "
-    "relative_position_bias.linear and a row of its norm's scale, and each key/value head channels of the key and "
-    "value short convolutions (k_proj.sconv, v_proj.sconv: a depthwise Conv1d in the sliding-window layers, static "
-    "taps and weight_proj rows per key/value head in the full-attention layers, their states in the cache), which "
-    "physical pruning does not slice (Inkling's k_sconv/v_sconv are refused so too)")
+PRUNING_REFUSED: dict[str, str] = {}
 """Model types whose attention is analysed and masked but not physically pruned, with why (``Family.prune_refused``
-of every block discovery finds in them): refused before any work."""
+of every block discovery finds in them): refused before any work. None since session 41: Inkling2 and Inkling2-Loop,
+listed in session 40, are pruned (their per-head parts: :data:`QKV_HEAD_ROWS`, :data:`HEAD_TABLES`,
+:data:`HEAD_COUNT_HOLDERS`, :data:`KV_CHANNEL_CONVS`, :data:`KV_DYNAMIC_CONVS`, :data:`QKV_APART`; a loop layer's
+module, run at several depths, as ALBERT's shared module: the same heads removed at each depth,
+:func:`headlab.surgery.check_shared_plan`)."""
 
 LRP_REFUSED: dict[str, str] = dict.fromkeys(
     ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
