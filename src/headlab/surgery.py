@@ -363,6 +363,24 @@ def _slice_dynamic_conv(conv: nn.Module, channels: torch.Tensor, kv_keep: list[i
     journal.set(conv, "num_heads", len(kv_keep))
 
 
+def _slice_head_parts(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
+    """The parts per head a block's tables name, kept for heads ``keep`` and key/value heads ``kv_keep``: the channels
+    of its depthwise key/value convolutions (Inkling's ``k_sconv``, Inkling2's sliding layers) and of its dynamic ones
+    with their rows per key/value head (Inkling2's full layers), a row per query head of its tables (Inkling2's norms'
+    ``scale``), and its sub-modules' ``num_heads``."""
+    device = block.o.weight.device
+    for conv, role in kv_conv_modules(block):
+        _slice_depthwise(conv, _head_index(kv_keep, block.d_qk if role == "k" else block.d_head, device), journal)
+    for dynamic_conv, role in kv_dynamic_convs(block):
+        channels = _head_index(kv_keep, block.d_qk if role == "k" else block.d_head, device)
+        _slice_dynamic_conv(dynamic_conv, channels, kv_keep, journal)
+    for owner, name in head_tables(block):
+        table = getattr(owner, name)
+        _replace(owner, name, table.index_select(0, torch.tensor(keep, dtype=torch.long, device=table.device)), journal)
+    for holder, role in count_holders(block):
+        journal.set(holder, "num_heads", len(keep) if role == "q" else len(kv_keep))
+
+
 def _kv_conv_problem(block: AttentionBlock) -> str | None:
     """Why a convolution of ``block.family.kv_convs`` is not one whose key/value heads' channels can be sliced out
     exactly: each must be depthwise (``groups`` = input = output channels, weight ``[channels, 1, kernel]``) over the
@@ -672,16 +690,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None:  # Doge's dt_proj and A: rows and entries per key/value head, columns per its values
         _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
-    for conv, role in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
-        _slice_depthwise(conv, _head_index(kv_keep, block.d_qk if role == "k" else d, device), journal)
-    for dynamic_conv, role in kv_dynamic_convs(block):  # Inkling2's full layers: channels and rows per key/value head
-        _slice_dynamic_conv(dynamic_conv, _head_index(kv_keep, block.d_qk if role == "k" else d, device), kv_keep,
-                            journal)
-    for owner, name in head_tables(block):  # a row per query head: Inkling2's norms' scale
-        table = getattr(owner, name)
-        _replace(owner, name, table.index_select(0, torch.tensor(keep, dtype=torch.long, device=table.device)), journal)
-    for holder, role in count_holders(block):  # Inkling2's relative_position_bias, dynamic convolutions: num_heads
-        journal.set(holder, "num_heads", len(keep) if role == "q" else len(kv_keep))
+    _slice_head_parts(block, keep, kv_keep, journal)  # Inkling's and Inkling2's convolutions, norms' scales
     for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
@@ -1775,8 +1784,8 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
                           *head_row_modules(block), dynamic[0] if dynamic else None,
                           *(conv for conv, _ in kv_conv_modules(block)),
                           *(conv for conv, _ in kv_dynamic_convs(block))) if m is not None]
-    known = {id(p) for m in sliced for p in m.parameters()}
-    known |= {id(getattr(owner, name)) for owner, name in head_tables(block)}  # Moshi's MoshiLinear holds the projection as .linear
+    known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
+    known |= {id(getattr(owner, name)) for owner, name in head_tables(block)}  # Inkling2's norms' scales
     # a head-rows projection at the end of an nn.Sequential (Zamba 2's attention adapters, QKV_ADAPTERS): the maps
     # before it read the layer's input into a latent all heads share (the rank), which stays whole
     known |= {id(p) for path, _ in block.family.head_rows if "." in path
@@ -1860,6 +1869,24 @@ def _plan_neomme(block: AttentionBlock, names: dict[int, str], plan: dict) -> No
         plan["attributes"][names[id(holder)]] = {_GROUP_ATTRS[0]: int(getattr(holder, _GROUP_ATTRS[0]))}
 
 
+def _plan_head_parts(block: AttentionBlock, names: dict[int, str], plan: dict) -> None:
+    """A pruned block's parts per head that its tables name, in ``plan``: Inkling's depthwise key/value convolutions
+    (``depthwise``: their channels kept), Inkling2's norms' scales (``parameters``: their shapes), dynamic convolutions
+    (``weight_proj`` in ``projections``, ``static_weight`` in ``parameters``) and sub-modules' ``num_heads``
+    (``attributes``)."""
+    for conv, _ in kv_conv_modules(block):
+        plan.setdefault("depthwise", {})[names[id(conv)]] = int(conv.out_channels)
+    for owner, pname in head_tables(block):
+        plan.setdefault("parameters", {})[f"{names[id(owner)]}.{pname}"] = list(getattr(owner, pname).shape)
+    for dynamic_conv, _ in kv_dynamic_convs(block):
+        path = names[id(dynamic_conv)]
+        plan["projections"][f"{path}.weight_proj"] = list(_projection(cast(nn.Module, dynamic_conv.weight_proj)))
+        plan.setdefault("parameters", {})[f"{path}.static_weight"] = list(cast(torch.Tensor,
+                                                                               dynamic_conv.static_weight).shape)
+    for holder, _ in count_holders(block):  # each sub-module's own head count (set at init from the config)
+        plan["attributes"].setdefault(names[id(holder)], {})["num_heads"] = cast(int, holder.num_heads)
+
+
 def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
@@ -1902,17 +1929,7 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
-        for conv, _ in kv_conv_modules(block):  # Inkling's k_sconv / v_sconv: the kept key/value heads' channels
-            plan.setdefault("depthwise", {})[names[id(conv)]] = int(conv.out_channels)
-        for owner, name in head_tables(block):  # Inkling2's norms' scale: a row per kept head
-            plan.setdefault("parameters", {})[f"{names[id(owner)]}.{name}"] = list(getattr(owner, name).shape)
-        for dynamic_conv, _ in kv_dynamic_convs(block):  # Inkling2's full layers: static taps, weight_proj, num_heads
-            path = names[id(dynamic_conv)]
-            plan["projections"][f"{path}.weight_proj"] = list(_projection(cast(nn.Module, dynamic_conv.weight_proj)))
-            plan.setdefault("parameters", {})[f"{path}.static_weight"] = list(
-                cast(torch.Tensor, dynamic_conv.static_weight).shape)
-        for holder, _ in count_holders(block):  # each sub-module's own head count (set at init from the config)
-            plan["attributes"].setdefault(names[id(holder)], {})["num_heads"] = int(holder.num_heads)
+        _plan_head_parts(block, names, plan)
         _plan_sub_norm(block, names, plan)
         attrs = {}
         family = block.family

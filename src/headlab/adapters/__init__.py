@@ -39,10 +39,10 @@ from headlab.adapters.families import (
     DEPTH_MIXERS,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
-    HEAD_MAPS,
-    HEAD_VECTORS,
     HEAD_COUNT_HOLDERS,
+    HEAD_MAPS,
     HEAD_TABLES,
+    HEAD_VECTORS,
     KV_CHANNEL_CONVS,
     KV_DYNAMIC_CONVS,
     KV_DYNAMIC_MASKS,
@@ -448,18 +448,17 @@ def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
     rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
     # Inkling's and Inkling2's other parts per head, sliced to none: recorded, so that a saved model keeps their widths
-    parts = _head_parts(model_type, module, "")
-    parts["head_rows"] = (*rows, *parts["head_rows"])
-    if not any(parts.values()):
+    parts = _with_head_parts(dataclasses.replace(family, head_rows=rows), model_type, module, "")
+    if parts == dataclasses.replace(family, head_rows=()):
         return candidate
-    return (*candidate[:4], dataclasses.replace(family, **parts))
+    return (*candidate[:4], parts)
 
 
-def _head_parts(model_type: str, core: nn.Module, prefix: str) -> dict[str, tuple]:
-    """The ``Family`` fields of the parts per head that the tables give ``core`` beside its q/k/v and gate (paths
-    with ``prefix``): rows (:data:`QKV_HEAD_ROWS`, those of :data:`SCORE_BIAS_ROWS` as ``bias_rows``), tables
-    (:data:`HEAD_TABLES`), count holders (:data:`HEAD_COUNT_HOLDERS`), depthwise and dynamic key/value convolutions
-    (:data:`KV_CHANNEL_CONVS`, :data:`KV_DYNAMIC_CONVS`); each only where ``core`` has it."""
+def _with_head_parts(family: Family, model_type: str, core: nn.Module, prefix: str) -> Family:
+    """``family`` with the parts per head that the tables give ``core`` beside its q/k/v and gate (paths with
+    ``prefix``): rows (:data:`QKV_HEAD_ROWS`, after ``family``'s; those of :data:`SCORE_BIAS_ROWS` as ``bias_rows``),
+    tables (:data:`HEAD_TABLES`), count holders (:data:`HEAD_COUNT_HOLDERS`), depthwise and dynamic key/value
+    convolutions (:data:`KV_CHANNEL_CONVS`, :data:`KV_DYNAMIC_CONVS`); each only where ``core`` has it."""
     own = QKV_HEAD_ROWS.get(model_type)
     rows = tuple((path, attrs) for path, attrs in (own(core) if own else ())
                  if isinstance(_get(core, path), nn.Linear) and rows_per_head(core, attrs) is not None)
@@ -471,12 +470,13 @@ def _head_parts(model_type: str, core: nn.Module, prefix: str) -> dict[str, tupl
     dynamic = tuple((path, role) for path, role in KV_DYNAMIC_CONVS.get(model_type, ())
                     if isinstance(getattr(_get(core, path), "static_weight", None), torch.Tensor)
                     and isinstance(getattr(_get(core, path), "weight_proj", None), nn.Linear))
-    return {"head_rows": tuple((prefix + path, attrs) for path, attrs in rows),
-            "bias_rows": tuple(prefix + path for path, _ in rows if path in SCORE_BIAS_ROWS.get(model_type, ())),
-            "head_tables": tuple(prefix + path for path in tables),
-            "count_holders": tuple((prefix + path, role) for path, role in holders),
-            "kv_convs": tuple((prefix + path, role) for path, role in convs),
-            "kv_dynamic_convs": tuple((prefix + path, role) for path, role in dynamic)}
+    return dataclasses.replace(
+        family, head_rows=(*family.head_rows, *((prefix + path, attrs) for path, attrs in rows)),
+        bias_rows=tuple(prefix + path for path, _ in rows if path in SCORE_BIAS_ROWS.get(model_type, ())),
+        head_tables=tuple(prefix + path for path in tables),
+        count_holders=tuple((prefix + path, role) for path, role in holders),
+        kv_convs=tuple((prefix + path, role) for path, role in convs),
+        kv_dynamic_convs=tuple((prefix + path, role) for path, role in dynamic))
 
 
 # The tables discovery reads by model type (adapters.families): a wrapper's language model is listed under its own type
@@ -637,8 +637,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
                                      head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
     if item.q is not None:  # Inkling's r_proj and convolutions, Inkling2's sinks, bias, norms: sliced with the heads
-        parts = _head_parts(model_type, core, prefix)
-        family = dataclasses.replace(family, **{**parts, "head_rows": (*family.head_rows, *parts["head_rows"])})
+        family = _with_head_parts(family, model_type, core, prefix)
     for path in item.head_maps:  # NeoMME's exclusive_self_attention (HEAD_MAPS): one entry per head, its own groups
         holder = path[len(prefix):] if path.startswith(prefix) else path
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]

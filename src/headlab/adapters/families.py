@@ -229,7 +229,8 @@ class Family:
     (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
     prune_refused: str = ""
-    """Why physical pruning refuses this block where LRP may not ('' elsewhere: :data:`PRUNING_REFUSED`, Inkling2's in session 40)."""
+    """Why physical pruning refuses this block where LRP may not ('' elsewhere: :data:`PRUNING_REFUSED`, Inkling2's in
+    session 40)."""
     output_calls: int = 1
     """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
     global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
