@@ -1527,6 +1527,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         # BitNetRMSNorm normalises in float32 whatever the dtype (transformers 5.24): its rescaled weight and epsilon
         # (_slice_sub_norm) round apart from the unpruned norm's by float32's precision
         dtype = torch.float32
+    if dtype == torch.float64 and any(b.n_heads and (b.family.kv_convs or b.family.kv_dynamic_convs) for b, *_ in plans):
+        # Inkling's and Inkling2's key/value short convolutions compute in float32 whatever the dtype (hidden_states
+        # .float(), transformers 5.24): a convolution over fewer channels rounds apart by float32's precision
+        dtype = torch.float32
     with masked_heads(model, spec):
         probe, reference = first_probe(model)  # the padded probe, or generate()'s positions, or one unpadded row
     if reference.error is not None:
