@@ -75,7 +75,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
-from headlab.adapters import config_value, is_linear
+from headlab.adapters import config_value, is_linear, sharing_groups
 from headlab.adapters.big_bird import block_sparse_probe
 from headlab.adapters.families import causal_on_token_ids, rows_per_head
 from headlab.importance.lrp import CONSERVATION_TOLERANCE, _KeptWide, _widened, lrp_precision
@@ -1079,6 +1079,12 @@ def check_prune(model, blocks, inputs, atol: Tolerance) -> str | None:
     for block in blocks:  # not an idle block (token ids never run it: its pruning is refused, rightly)
         if block.n_heads >= 2 and not block.idle and len(spec) < 2:
             spec[block.key] = [block.n_heads - 1]
+    # weights run at several depths (ALBERT's shared layers, Inkling2-Loop's loop layers): the same heads removed at
+    # each of them, which pruning equals (any other plan is refused before any work: surgery.check_shared_plan)
+    for group in sharing_groups(blocks):
+        chosen = next((spec[b.key] for b in group if b.key in spec), None)
+        if chosen is not None:
+            spec.update({b.key: list(chosen) for b in group if not b.idle})
     if not spec:
         return "no block to prune"
     with mask_heads(model, spec):

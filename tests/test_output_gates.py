@@ -20,7 +20,7 @@ hyper-connections), refused for those until session 36, is analysed and pruned: 
 Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
 (``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2 and Inkling2-Loop stay refused,
 naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Since session 40 both are
-analysed and masked: tests/test_inkling2.py.
+analysed and masked, and since session 41 pruned: tests/test_inkling2.py.
 Qwen4-Exp, refused so until session 36, is analysed and pruned as Qwen3-Next's gated attention:
 tests/test_hyper_connection_families.py.
 """

@@ -360,30 +360,6 @@ def _inkling():
     return tf.AutoModelForCausalLM.from_config, config
 
 
-def test_pruning_inklings_key_value_convolutions_is_refused_before_any_work():
-    """Inkling's attention runs depthwise short convolutions over the key and value projections' channels
-    (k_sconv, v_sconv: one kernel per channel, their states in the cache), which pruning does not slice: the
-    pruned forward failed its check with a bare Conv1d error (the session-26 sweep). Refused before anything
-    runs now, naming them; the model untouched."""
-    from headlab import prune_heads
-
-    cls, config = _inkling()
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(config).float().eval()
-    assert [(b.kind, b.layer) for b in attention_blocks(model)][:1] == [("dec_self", 0)]
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=r"model.layers.0.self_attn .*physical pruning is refused: .*modules whose "
-                                           r"weights span the heads' channels \(r_proj \(Linear weight \[1024, 32\]: "
-                                           r"64 query heads x 16\), k_sconv \(InklingShortConvolution "
-                                           r"conv1d.weight \[\d+, 1, \d+\]\), v_sconv"):
-        prune_heads(model, {("dec_self", 0): [3]})
-    assert not calls
-    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
-
-
 class _NoConvolution(torch.nn.Module):
     """Stands in for Inkling's InklingShortConvolution: the channels passed as they are."""
 
@@ -391,13 +367,17 @@ class _NoConvolution(torch.nn.Module):
         return hidden_states
 
 
-def test_pruning_inklings_relative_position_projection_alone_is_refused_before_any_work():
-    """Inkling's r_proj emits num_heads x d_rel (each head's relative-position features, viewed [..., heads, -1]),
-    which pruning does not slice. With the key/value convolutions taken out and heads of 4 (q width 16, hidden 32,
-    d_rel 6: r_proj [24, 32] has no dimension of a projection's width), it alone is unsliced: refused before anything
-    runs, naming it; the model untouched. Before: the pruned forward failed its check after the work, with a bare
-    shape error ("mat1 and mat2 shapes cannot be multiplied")."""
+def test_pruning_inklings_relative_position_projection_alone_is_refused_before_any_work(monkeypatch):
+    """Inkling's r_proj emits num_heads x d_rel (each head's relative-position features, viewed [..., heads, -1]).
+    Without its table entry (families.QKV_HEAD_ROWS, since session 41: sliced with the heads,
+    tests/test_inkling_pruning.py), pruning does not slice it. With the key/value convolutions taken out and heads of 4
+    (q width 16, hidden 32, d_rel 6: r_proj [24, 32] has no dimension of a projection's width), it alone is unsliced:
+    refused before anything runs, naming it; the model untouched. Before: the pruned forward failed its check after the
+    work, with a bare shape error ("mat1 and mat2 shapes cannot be multiplied")."""
+    import headlab.adapters as adapters
     from headlab import prune_heads
+
+    monkeypatch.setattr(adapters, "QKV_HEAD_ROWS", {})
 
     cls, config = _inkling()
     config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim = 4, 2, 4

@@ -530,12 +530,16 @@ class NoHeadAttention(nn.Module):
         zero per position (one head of width 1), not none: transformers counts a cache layer
         with no elements as length 0, and reads the next position from layer 0. A forward handed its layer's index
         keeps it there (Zamba's and Zamba 2's ``layer_idx`` argument, which they update the cache at: Zamba 2 builds
-        its shared attention with ``layer_idx=-1``, the last cache layer, another layer's)."""
+        its shared attention with ``layer_idx=-1``, the last cache layer, another layer's); one handed a
+        ``cache_offset`` (Inkling2-Loop's loop layers, each pass at cache layer ``layer_idx + cache_offset``) there."""
         cache = cache_argument(kwargs)
         given = kwargs.get("layer_idx")
         layer_idx = given if isinstance(given, int) and not isinstance(given, bool) else self.layer_idx
         if cache is None or layer_idx is None:
             return
+        offset = kwargs.get("cache_offset")  # Inkling2-Loop's later passes: cache layers of their own, layer_idx + offset
+        if isinstance(offset, int) and not isinstance(offset, bool):
+            layer_idx += offset
         memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
         if self.time_first:  # FSMT: the encoder's output is the cross-attention's key, [S, B, C]
             memory = kwargs.get("key") if getattr(self, "encoder_decoder_attention", False) else None
@@ -864,6 +868,13 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))
             embedding.embedding_dim = columns
+        for path, channels in plan.get("depthwise", {}).items():  # Inkling's k_sconv / v_sconv: kept heads' channels
+            conv = model.get_submodule(path)
+            conv.weight = nn.Parameter(conv.weight.new_empty(channels, *conv.weight.shape[1:]),
+                                       requires_grad=conv.weight.requires_grad)
+            if conv.bias is not None:
+                conv.bias = nn.Parameter(conv.bias.new_empty(channels), requires_grad=conv.bias.requires_grad)
+            conv.in_channels = conv.out_channels = conv.groups = channels
         for path, (kept, n_kv_heads) in plan.get("value_embeds", {}).items():  # NeoMME's value embeddings, narrowed
             module = model.get_submodule(path)
             setattr(module, VALUE_EMBEDS_ATTR, list(kept))

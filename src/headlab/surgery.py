@@ -267,6 +267,147 @@ def head_biases(block: AttentionBlock) -> list[tuple[nn.Module, str, str]]:
     return found
 
 
+def kv_conv_modules(block: AttentionBlock) -> list[tuple[nn.Conv1d, str]]:
+    """The depthwise convolutions of ``block.family.kv_convs`` over the key ("k") or value ("v") channels (Inkling's
+    ``k_sconv.conv1d``, ``v_sconv.conv1d``), as (convolution, role); a layer left with no head keeps them, sliced to
+    no channel, as children of its stand-in."""
+    found = []
+    for path, role in block.family.kv_convs:
+        try:
+            conv = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(conv, nn.Conv1d):
+            found.append((conv, role))
+    return found
+
+
+def head_tables(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The parameters of ``block.family.head_tables`` (a row per query head: Inkling2's norms' ``scale``), as (owning
+    module, name)."""
+    found = []
+    for path in block.family.head_tables:
+        owner_path, _, name = path.rpartition(".")
+        try:
+            owner = block.module.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(owner, name, None), torch.Tensor):
+            found.append((owner, name))
+    return found
+
+
+def count_holders(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The sub-modules of ``block.family.count_holders`` with an int ``num_heads`` (Inkling2's
+    ``relative_position_bias``: query heads, "q"; its dynamic convolutions: key/value heads, "kv"), as (module, role)."""
+    found = []
+    for path, role in block.family.count_holders:
+        try:
+            holder = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(holder, "num_heads", None), int):
+            found.append((holder, role))
+    return found
+
+
+def kv_dynamic_convs(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The dynamic convolutions of ``block.family.kv_dynamic_convs`` (Inkling2's full-attention layers'
+    ``k_proj.sconv``, ``v_proj.sconv``: ``static_weight`` and ``weight_proj``), as (module, "k" or "v")."""
+    found = []
+    for path, role in block.family.kv_dynamic_convs:
+        try:
+            conv = block.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(conv, "static_weight", None), torch.Tensor) and \
+                isinstance(getattr(conv, "weight_proj", None), nn.Linear):
+            found.append((conv, role))
+    return found
+
+
+def _head_parts_problem(block: AttentionBlock) -> str | None:
+    """Why a part of ``block`` that pruning slices per head by its tables (``Family.head_tables``, ``count_holders``,
+    ``kv_dynamic_convs``) does not have the sizes the slicing assumes (one row per query head; a head count equal to
+    the block's; ``static_weight`` ``[kernel, channels]`` and ``weight_proj`` of kernel rows per key/value head);
+    None where each has."""
+    for owner, name in head_tables(block):
+        table = getattr(owner, name)
+        if table.dim() < 1 or table.shape[0] != block.n_heads:
+            return (f"its {_child_name(block, owner)}.{name} {list(table.shape)} is not one row per query head of the "
+                    f"{block.n_heads}, which pruning would slice with the heads")
+    for holder, role in count_holders(block):
+        count = block.n_heads if role == "q" else block.n_kv_heads
+        if holder.num_heads != count:
+            return (f"its {_child_name(block, holder)} views its states by num_heads={holder.num_heads}, not the "
+                    f"block's {count} {'query' if role == 'q' else 'key/value'} heads")
+    for conv, role in kv_dynamic_convs(block):
+        width = block.n_kv_heads * (block.d_qk if role == "k" else block.d_head)
+        static, projection = cast(torch.Tensor, conv.static_weight), cast(nn.Linear, conv.weight_proj)
+        kernel = static.shape[0] if static.dim() == 2 else -1
+        if static.dim() != 2 or static.shape[1] != width or projection.out_features != block.n_kv_heads * kernel \
+                or getattr(conv, "conv_kernel_size", None) != kernel:
+            return (f"its dynamic convolution {_child_name(block, conv)} (static_weight {list(static.shape)}, weight_proj "
+                    f"{projection.in_features} -> {projection.out_features}) does not hold a kernel per channel of its "
+                    f"{width} and one per key/value head of its {block.n_kv_heads}, as headlab's slicing reads it")
+    return None
+
+
+def _slice_dynamic_conv(conv: nn.Module, channels: torch.Tensor, kv_keep: list[int], journal: _Journal) -> None:
+    """Keep the kept channels' columns of a dynamic convolution's ``static_weight`` (``[kernel, channels]``), the kept
+    key/value heads' ``kernel`` rows each of ``weight_proj`` (repeats allowed), and set ``num_heads``."""
+    static = cast(torch.Tensor, conv.static_weight)
+    kernel = static.shape[0]
+    _replace(conv, "static_weight", static.index_select(1, channels.to(static.device)), journal)
+    projection = cast(nn.Linear, conv.weight_proj)
+    _slice_outputs(projection, _head_index(kv_keep, kernel, projection.weight.device), journal)
+    journal.set(conv, "num_heads", len(kv_keep))
+
+
+def _slice_head_parts(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
+    """The parts per head a block's tables name, kept for heads ``keep`` and key/value heads ``kv_keep``: the channels
+    of its depthwise key/value convolutions (Inkling's ``k_sconv``, Inkling2's sliding layers) and of its dynamic ones
+    with their rows per key/value head (Inkling2's full layers), a row per query head of its tables (Inkling2's norms'
+    ``scale``), and its sub-modules' ``num_heads``."""
+    device = block.o.weight.device
+    for conv, role in kv_conv_modules(block):
+        _slice_depthwise(conv, _head_index(kv_keep, block.d_qk if role == "k" else block.d_head, device), journal)
+    for dynamic_conv, role in kv_dynamic_convs(block):
+        channels = _head_index(kv_keep, block.d_qk if role == "k" else block.d_head, device)
+        _slice_dynamic_conv(dynamic_conv, channels, kv_keep, journal)
+    for owner, name in head_tables(block):
+        table = getattr(owner, name)
+        _replace(owner, name, table.index_select(0, torch.tensor(keep, dtype=torch.long, device=table.device)), journal)
+    for holder, role in count_holders(block):
+        journal.set(holder, "num_heads", len(keep) if role == "q" else len(kv_keep))
+
+
+def _kv_conv_problem(block: AttentionBlock) -> str | None:
+    """Why a convolution of ``block.family.kv_convs`` is not one whose key/value heads' channels can be sliced out
+    exactly: each must be depthwise (``groups`` = input = output channels, weight ``[channels, 1, kernel]``) over the
+    key (``n_kv_heads x d_qk``) or value (``n_kv_heads x d_head``) width; None where each is."""
+    for conv, role in kv_conv_modules(block):
+        width = block.n_kv_heads * (block.d_qk if role == "k" else block.d_head)
+        channels = (conv.in_channels, conv.out_channels, conv.groups)
+        if channels != (width,) * 3 or tuple(conv.weight.shape[:2]) != (width, 1):
+            return (f"its {'key' if role == 'k' else 'value'} convolution {_child_name(block, conv)} (in {conv.in_channels}"
+                    f", out {conv.out_channels}, groups {conv.groups}, weight {list(conv.weight.shape)}) is not "
+                    f"depthwise over the {width} channels of its {block.n_kv_heads} key/value heads, the one "
+                    "convolution whose heads' channels headlab slices")
+    return None
+
+
+def _slice_depthwise(conv: nn.Conv1d, index: torch.Tensor, journal: _Journal) -> None:
+    """Keep channels ``index`` of a depthwise ``nn.Conv1d`` (one kernel per channel: weight ``[channels, 1, kernel]``):
+    their kernels (and bias entries), ``groups`` the channels left. A layer with no head keeps none (never called)."""
+    index = index.to(conv.weight.device)
+    _replace(conv, "weight", conv.weight.index_select(0, index), journal)
+    if conv.bias is not None:
+        _replace(conv, "bias", conv.bias.index_select(0, index), journal)
+    for name in ("in_channels", "out_channels", "groups"):
+        journal.set(conv, name, len(index))
+
+
 def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
     """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
     found = [getattr(block.core, path, None) for path in block.family.head_columns]
@@ -550,6 +691,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None:  # Doge's dt_proj and A: rows and entries per key/value head, columns per its values
         _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
+    _slice_head_parts(block, keep, kv_keep, journal)  # Inkling's and Inkling2's convolutions, norms' scales
     for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
@@ -1387,6 +1529,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         # BitNetRMSNorm normalises in float32 whatever the dtype (transformers 5.24): its rescaled weight and epsilon
         # (_slice_sub_norm) round apart from the unpruned norm's by float32's precision
         dtype = torch.float32
+    if dtype == torch.float64 and any(b.n_heads and (b.family.kv_convs or b.family.kv_dynamic_convs) for b, *_ in plans):
+        # Inkling's and Inkling2's key/value short convolutions compute in float32 whatever the dtype (hidden_states
+        # .float(), transformers 5.24): a convolution over fewer channels rounds apart by float32's precision
+        dtype = torch.float32
     with masked_heads(model, spec):
         probe, reference = first_probe(model)  # the padded probe, or generate()'s positions, or one unpadded row
     if reference.error is not None:
@@ -1569,6 +1715,10 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
+    problem = (_kv_conv_problem(block) or _head_parts_problem(block)) if block.n_heads else None
+    if problem:  # Inkling's k_sconv / v_sconv, sliced only where depthwise over the heads' channels
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {problem}; mask the heads "
+                           "instead (mask_heads, or headlab prune train's gates)")
     # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own (named
     # as such, before the general rule below would name them as modules spanning the heads' channels)
     unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
@@ -1637,8 +1787,11 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     as ``"name (Class weight [shape])"``."""
     dynamic = kv_dynamic_mask(block)
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
-                          *head_row_modules(block), dynamic[0] if dynamic else None) if m is not None]
+                          *head_row_modules(block), dynamic[0] if dynamic else None,
+                          *(conv for conv, _ in kv_conv_modules(block)),
+                          *(conv for conv, _ in kv_dynamic_convs(block))) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
+    known |= {id(getattr(owner, name)) for owner, name in head_tables(block)}  # Inkling2's norms' scales
     # a head-rows projection at the end of an nn.Sequential (Zamba 2's attention adapters, QKV_ADAPTERS): the maps
     # before it read the layer's input into a latent all heads share (the rank), which stays whole
     known |= {id(p) for path, _ in block.family.head_rows if "." in path
@@ -1722,6 +1875,24 @@ def _plan_neomme(block: AttentionBlock, names: dict[int, str], plan: dict) -> No
         plan["attributes"][names[id(holder)]] = {_GROUP_ATTRS[0]: int(getattr(holder, _GROUP_ATTRS[0]))}
 
 
+def _plan_head_parts(block: AttentionBlock, names: dict[int, str], plan: dict) -> None:
+    """A pruned block's parts per head that its tables name, in ``plan``: Inkling's depthwise key/value convolutions
+    (``depthwise``: their channels kept), Inkling2's norms' scales (``parameters``: their shapes), dynamic convolutions
+    (``weight_proj`` in ``projections``, ``static_weight`` in ``parameters``) and sub-modules' ``num_heads``
+    (``attributes``)."""
+    for conv, _ in kv_conv_modules(block):
+        plan.setdefault("depthwise", {})[names[id(conv)]] = int(conv.out_channels)
+    for owner, pname in head_tables(block):
+        plan.setdefault("parameters", {})[f"{names[id(owner)]}.{pname}"] = list(getattr(owner, pname).shape)
+    for dynamic_conv, _ in kv_dynamic_convs(block):
+        path = names[id(dynamic_conv)]
+        plan["projections"][f"{path}.weight_proj"] = list(_projection(cast(nn.Module, dynamic_conv.weight_proj)))
+        plan.setdefault("parameters", {})[f"{path}.static_weight"] = list(cast(torch.Tensor,
+                                                                               dynamic_conv.static_weight).shape)
+    for holder, _ in count_holders(block):  # each sub-module's own head count (set at init from the config)
+        plan["attributes"].setdefault(names[id(holder)], {})["num_heads"] = cast(int, holder.num_heads)
+
+
 def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
@@ -1764,6 +1935,7 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
+        _plan_head_parts(block, names, plan)
         _plan_sub_norm(block, names, plan)
         attrs = {}
         family = block.family

@@ -39,8 +39,12 @@ from headlab.adapters.families import (
     DEPTH_MIXERS,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
+    HEAD_COUNT_HOLDERS,
     HEAD_MAPS,
+    HEAD_TABLES,
     HEAD_VECTORS,
+    KV_CHANNEL_CONVS,
+    KV_DYNAMIC_CONVS,
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
@@ -52,8 +56,11 @@ from headlab.adapters.families import (
     PROBE_FAILURES,
     PRUNING_REFUSED,
     QKV_ADAPTERS,
+    QKV_APART,
+    QKV_HEAD_ROWS,
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
+    SCORE_BIAS_ROWS,
     SINKS_SCALE_OUTPUT,
     SUB_NORMS,
     UNSUPPORTED,
@@ -421,24 +428,60 @@ def _is_projection(module: nn.Module | None) -> bool:
 
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
-    """A layer of a :data:`QKV_OUTPUT_GATES` type pruned to no head: its stand-in keeps the gate's projection, sliced
-    to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's); one of a
-    :data:`QKV_ADAPTERS` type keeps its adapters' rows as pruning found them (the stand-in's ``stands_for_block``)."""
+    """A layer of a :data:`QKV_OUTPUT_GATES` or :data:`QKV_HEAD_ROWS` type pruned to no head: its stand-in keeps the
+    gate's (or its own rows') projection, sliced to no row, which ``head_rows`` names, and its
+    :data:`KV_CHANNEL_CONVS` sliced to no channel, which ``kv_convs`` names, so that a saved pruned model records their
+    widths (as its q/k/v's); one of a :data:`QKV_ADAPTERS` type keeps its adapters' rows as pruning found them (the
+    stand-in's ``stands_for_block``)."""
     module, family = candidate[3], candidate[4]
     recorded = getattr(_core_of(candidate), "stands_for_block", None)
     if model_type in QKV_ADAPTERS and isinstance(recorded, tuple) and len(recorded) == 2 \
             and isinstance(recorded[1], Family) and recorded[1].head_rows:  # Zamba 2's adapters, sliced to no row
         return (*candidate[:4], dataclasses.replace(family, head_rows=recorded[1].head_rows,
                                                     head_row_values=recorded[1].head_row_values))
+    if isinstance(recorded, tuple) and len(recorded) == 2 and isinstance(recorded[1], Family) and family.q \
+            and not _is_projection(_get(module, family.q)):
+        # a name the scheme reads as a projection is a module around one (Inkling2's q_proj, an
+        # Inkling2QueryProjection holding .linear): the family pruning found, which names the projections themselves
+        return (*candidate[:4], recorded[1])
     gate = QKV_OUTPUT_GATES.get(model_type)
     rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
-    return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
+    # Inkling's and Inkling2's other parts per head, sliced to none: recorded, so that a saved model keeps their widths
+    parts = _with_head_parts(dataclasses.replace(family, head_rows=rows), model_type, module, "")
+    if parts == dataclasses.replace(family, head_rows=()):
+        return candidate
+    return (*candidate[:4], parts)
+
+
+def _with_head_parts(family: Family, model_type: str, core: nn.Module, prefix: str) -> Family:
+    """``family`` with the parts per head that the tables give ``core`` beside its q/k/v and gate (paths with
+    ``prefix``): rows (:data:`QKV_HEAD_ROWS`, after ``family``'s; those of :data:`SCORE_BIAS_ROWS` as ``bias_rows``),
+    tables (:data:`HEAD_TABLES`), count holders (:data:`HEAD_COUNT_HOLDERS`), depthwise and dynamic key/value
+    convolutions (:data:`KV_CHANNEL_CONVS`, :data:`KV_DYNAMIC_CONVS`); each only where ``core`` has it."""
+    own = QKV_HEAD_ROWS.get(model_type)
+    rows = tuple((path, attrs) for path, attrs in (own(core) if own else ())
+                 if isinstance(_get(core, path), nn.Linear) and rows_per_head(core, attrs) is not None)
+    tables = tuple(path for path in HEAD_TABLES.get(model_type, ()) if _parameter(core, path) is not None)
+    holders = tuple((path, role) for path, role in HEAD_COUNT_HOLDERS.get(model_type, ())
+                    if isinstance(getattr(_get(core, path), "num_heads", None), int))
+    convs = tuple((path, role) for path, role in KV_CHANNEL_CONVS.get(model_type, ())
+                  if isinstance(_get(core, path), nn.Conv1d))
+    dynamic = tuple((path, role) for path, role in KV_DYNAMIC_CONVS.get(model_type, ())
+                    if isinstance(getattr(_get(core, path), "static_weight", None), torch.Tensor)
+                    and isinstance(getattr(_get(core, path), "weight_proj", None), nn.Linear))
+    return dataclasses.replace(
+        family, head_rows=(*family.head_rows, *((prefix + path, attrs) for path, attrs in rows)),
+        bias_rows=tuple(prefix + path for path, _ in rows if path in SCORE_BIAS_ROWS.get(model_type, ())),
+        head_tables=tuple(prefix + path for path in tables),
+        count_holders=tuple((prefix + path, role) for path, role in holders),
+        kv_convs=tuple((prefix + path, role) for path, role in convs),
+        kv_dynamic_convs=tuple((prefix + path, role) for path, role in dynamic))
 
 
 # The tables discovery reads by model type (adapters.families): a wrapper's language model is listed under its own type
 _TYPE_TABLES = (OUTPUT_GATES, LATENT_ATTENTION, QKV_OUTPUT_GATES, QKV_ADAPTERS, ATTENTION_SINKS, KV_DYNAMIC_MASKS,
-                HEAD_VECTORS, ATTENTION_SUBLAYERS)
+                HEAD_VECTORS, ATTENTION_SUBLAYERS, QKV_HEAD_ROWS, KV_CHANNEL_CONVS)
 
 
 def _table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
@@ -544,12 +587,25 @@ def _outside(candidate: tuple) -> str:
             "headlab cannot tell what its heads are")
 
 
+def _tied_apart(core: nn.Module, item: Discovered) -> Discovered:
+    """An attention of :data:`QKV_APART` (Inkling2's full-attention layers, whose queries, keys and values read three
+    inputs): its q/k/v projections, which the probe did not tie, from the table (their widths checked as any
+    block's: :func:`_make_block`); any other item as it is."""
+    paths = QKV_APART.get(type(core).__name__)
+    if paths is None or item.q is not None or not all(isinstance(_get(core, path), nn.Linear) for path in paths):
+        return item
+    prefix = f"{item.core}." if item.core else ""
+    q, k, v = (prefix + path for path in paths)
+    return dataclasses.replace(item, q=q, k=k, v=v)
+
+
 def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered) -> tuple:
     module = model.get_submodule(item.name)
     if not re.search(r"(?:^|\.)\d+(?=\.|$)", item.name):
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}): attention module {item.name!r} has no "
                            "layer index in its path")
     layer = _layer_number(model_type, item.name, module.get_submodule(item.core) if item.core else module)
+    item = _tied_apart(module.get_submodule(item.core) if item.core else module, item)
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
@@ -580,6 +636,8 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
                                "rows per head for (its forward differs from the one headlab read)")
         family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
                                      head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
+    if item.q is not None:  # Inkling's r_proj and convolutions, Inkling2's sinks, bias, norms: sliced with the heads
+        family = _with_head_parts(family, model_type, core, prefix)
     for path in item.head_maps:  # NeoMME's exclusive_self_attention (HEAD_MAPS): one entry per head, its own groups
         holder = path[len(prefix):] if path.startswith(prefix) else path
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]
@@ -587,7 +645,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
                                      group_holders=(*family.group_holders, holder))
     if model_type in LRP_REFUSED:  # Inkling2's: parts that no LRP rule covers
         family = dataclasses.replace(family, lrp_refused=LRP_REFUSED[model_type])
-    if model_type in PRUNING_REFUSED:  # Inkling2's: per-head parts that pruning does not slice
+    if model_type in PRUNING_REFUSED:  # per-head parts that pruning does not slice (none listed since session 41)
         family = dataclasses.replace(family, prune_refused=PRUNING_REFUSED[model_type])
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)

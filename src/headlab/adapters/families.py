@@ -104,6 +104,28 @@ class Family:
     """(projection, vector), paths relative to the block, of a dynamic mask per key/value head computed from the
     values of every key/value head (Doge's ``dt_proj`` and ``A``, :data:`KV_DYNAMIC_MASKS`): physical pruning keeps
     every key/value head, slicing them with the key/value heads (rows, entries) and their values (columns)."""
+    bias_rows: tuple[str, ...] = ()
+    """Those of ``head_rows`` whose outputs feed only a bias of the scores that LRP has a rule for (Inkling's ``r_proj``,
+    read by ``rel_logits_proj``, whose output that rule detaches: :mod:`headlab.importance.mixer_rules.inkling`):
+    LRP leaves them to that rule, where it detaches the other head rows itself, so that a forward using them otherwise
+    still fails the rule's conservation probe."""
+    head_tables: tuple[str, ...] = ()
+    """Parameters (paths relative to the block) of one row per query head on their first dimension, row h read by head h
+    only (Inkling2's ``q_proj.norm.scale`` and ``relative_position_bias.norm.scale``, ``[heads, size]``:
+    :data:`HEAD_TABLES`): physical pruning keeps the kept heads' rows."""
+    count_holders: tuple[tuple[str, str], ...] = ()
+    """(path relative to the block, "q" or "kv") of sub-modules whose forward views its input per head by an attribute
+    ``num_heads`` set at init (Inkling2's ``relative_position_bias``: query heads; its dynamic convolutions: key/value
+    heads, :data:`HEAD_COUNT_HOLDERS`): physical pruning sets it to the heads kept, as it does the attention's own."""
+    kv_dynamic_convs: tuple[tuple[str, str], ...] = ()
+    """(path relative to the block, "k" or "v") of dynamic short convolutions over the key or value channels whose taps
+    are shared within a key/value head (Inkling2's ``Inkling2DynamicShortConvolution``, :data:`KV_DYNAMIC_CONVS`):
+    physical pruning keeps the kept channels' columns of ``static_weight``, the kept key/value heads' rows of
+    ``weight_proj`` and sets ``num_heads``."""
+    kv_convs: tuple[tuple[str, str], ...] = ()
+    """(path relative to the block, "k" or "v") of depthwise convolutions over the key or value projection's channels
+    (``groups`` = channels, one kernel per channel, no channel reading another: Inkling's ``k_sconv.conv1d`` and
+    ``v_sconv.conv1d``, :data:`KV_CHANNEL_CONVS`): physical pruning keeps the kept key/value heads' channels of each."""
     head_columns: tuple[str, ...] = ()
     """Embeddings of ``core`` (paths relative to it) with one column per head, read in head order by its own
     forward (UMT5's ``relative_attention_bias``, ``[buckets, heads]``, in every self-attention layer; absent
@@ -211,7 +233,8 @@ class Family:
     (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
     projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
     prune_refused: str = ""
-    """Why physical pruning refuses this block where LRP may not ('' elsewhere: Inkling2's, :data:`PRUNING_REFUSED`)."""
+    """Why physical pruning refuses this block where LRP may not ('' elsewhere: :data:`PRUNING_REFUSED`, Inkling2's in
+    session 40)."""
     output_calls: int = 1
     """How many times one call of ``core`` runs the output projection (PEGASUS-X's encoder attention: twice, on the
     global tokens' heads, then on the tokens'): a stochastic gate (Hard Concrete's) draws once per call of ``core`` and
@@ -644,12 +667,91 @@ def neomme_gate(core: Any) -> GateRows:
     return (("output_projection.gate_proj", ("head_dim",)),), ()
 
 
+def inkling_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """Inkling (``InklingAttention``, transformers 5.24): ``r_proj`` (hidden -> heads x ``config.d_rel``) is viewed
+    ``[batch, seq, heads, d_rel]`` and ``rel_logits_proj`` maps each head's ``d_rel`` features to that head's bias of
+    the scores only: head h owns rows ``h * d_rel ..``. None where the module has no such projection or size."""
+    d_rel = getattr(getattr(core, "config", None), "d_rel", None)
+    if not isinstance(d_rel, int) or isinstance(d_rel, bool) or d_rel <= 0 or getattr(core, "r_proj", None) is None:
+        return ()
+    return (("r_proj", (d_rel,)),)
+
+
+def inkling2_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """Inkling2 and Inkling2-Loop (``Inkling2SlidingAttention``, ``Inkling2FullAttention`` and the Loop's, transformers
+    5.24): ``sink_proj`` (hidden -> heads) gives head h its sink logit from row h (``.transpose(1, 2).unsqueeze(-1)``:
+    one extra softmax column of that head's scores); ``relative_position_bias.linear`` (hidden -> heads x
+    ``config.d_rel``) is viewed ``[batch, seq, num_heads, d_rel]``, its norm scales and clips each head's vector alone,
+    and ``proj`` maps it to that head's bias: head h owns rows ``h * d_rel ..``. (The gate's rows:
+    :func:`inkling2_gate`.)"""
+    d_rel = getattr(getattr(core, "config", None), "d_rel", None)
+    if not isinstance(d_rel, int) or isinstance(d_rel, bool) or d_rel <= 0:
+        return ()
+    return (("sink_proj", (1,)), ("relative_position_bias.linear", (d_rel,)))
+
+
+_INKLING2 = ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"]
+
+QKV_HEAD_ROWS: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ...]], ...]]] = {
+    **dict.fromkeys(["inkling_text", "inkling"], inkling_rows), **dict.fromkeys(_INKLING2, inkling2_rows)}
+"""Model types whose attention, beside its q/k/v projections, has projections of the layer's input with rows per
+query head that only that head reads (each function's docstring: read off transformers 5.24's forward), giving
+``Family.head_rows`` from the attention module: physical pruning slices them with the heads."""
+
+SCORE_BIAS_ROWS: dict[str, tuple[str, ...]] = dict.fromkeys(["inkling_text", "inkling"], ("r_proj",))
+"""Those of :data:`QKV_HEAD_ROWS`' projections that feed only a score bias LRP has a rule for (``Family.bias_rows``)."""
+
+QKV_APART: dict[str, tuple[str, str, str]] = dict.fromkeys(
+    ["Inkling2FullAttention", "Inkling2LoopFullAttention"], ("q_proj.linear", "k_proj.linear", "v_proj.linear"))
+"""Attention classes (their names) whose queries, keys and values are projections of three different inputs, which
+discovery's probe does not tie (Inkling2's full-attention layers: ``key_hidden_states``, ``value_hidden_states``,
+normed block-residual mixes of their own; read in transformers 5.24), with their query, key and value projections
+(relative to the attention module): each feeds one part only, head-major (``view(..., -1, head_dim)``), so their rows
+are the heads' as any q/k/v projection's, whatever their inputs."""
+
+HEAD_TABLES: dict[str, tuple[str, ...]] = dict.fromkeys(
+    _INKLING2, ("q_proj.norm.scale", "relative_position_bias.norm.scale"))
+"""Model types whose attention holds parameters of one row per query head (``Family.head_tables``). Inkling2
+(``Inkling2ScaledL2Clip`` / ``Inkling2LogScaledL2Clip``, transformers 5.24): ``scale`` ``[heads, size]`` multiplies the
+states viewed ``[batch, seq, heads, size]`` and the L2 clip then acts on each head's vector alone."""
+
+HEAD_COUNT_HOLDERS: dict[str, tuple[tuple[str, str], ...]] = dict.fromkeys(
+    _INKLING2, (("relative_position_bias", "q"), ("k_proj.sconv", "kv"), ("v_proj.sconv", "kv")))
+"""Model types whose attention's sub-modules view their states per head by a ``num_heads`` of their own
+(``Family.count_holders``; one without the attribute, Inkling2's static convolutions, is left out)."""
+
+KV_DYNAMIC_CONVS: dict[str, tuple[tuple[str, str], ...]] = dict.fromkeys(
+    _INKLING2, (("k_proj.sconv", "k"), ("v_proj.sconv", "v")))
+"""Model types whose attention runs dynamic short convolutions over the key/value channels (``Family.kv_dynamic_convs``;
+only those with ``static_weight`` and ``weight_proj``). Inkling2's full-attention layers
+(``Inkling2DynamicShortConvolution``, transformers 5.24): taps ``static_weight.T.view(num_heads, -1, kernel)`` (one
+kernel per channel) plus ``weight_proj(dynamic_input).view(batch, seq, num_heads, 1, kernel)`` (one kernel per
+key/value head and token, shared by its channels), applied to each channel's own window (``windows`` viewed
+``[batch, seq, num_heads, -1, kernel]``), plus the channel itself, over ``sqrt(2 kernel + 1)``; its conv states in the
+cache (sized from the input on first use). No key/value head reads another's channels or rows, so pruning keeps the
+kept heads' columns of ``static_weight``, their ``kernel`` rows each of ``weight_proj``, and sets ``num_heads``."""
+
+KV_CHANNEL_CONVS: dict[str, tuple[tuple[str, str], ...]] = {
+    **dict.fromkeys(["inkling_text", "inkling"], (("k_sconv.conv1d", "k"), ("v_sconv.conv1d", "v"))),
+    # Inkling2's sliding-window layers (Inkling2ShortConvolution): Inkling's, over (u + conv1d(u)) / sqrt(kernel + 1)
+    **dict.fromkeys(_INKLING2, (("k_proj.sconv.conv1d", "k"), ("v_proj.sconv.conv1d", "v")))}
+"""Model types whose attention runs a depthwise convolution over the key or value projection's channels before the
+attention function (``Family.kv_convs``: path relative to the attention module, "k" or "v"). Inkling
+(``InklingShortConvolution``, transformers 5.24): ``u + conv1d(u)`` over time in float32, ``conv1d`` an ``nn.Conv1d``
+with ``groups`` = channels (one causal kernel per channel, no bias), the padded positions zeroed first
+(``conv_mask``, per position) and the last ``kernel - 1`` inputs of each channel kept in the cache's conv states
+(``cache.update_conv_state``, sized from the input on first use). No channel reads another, and the key norm
+(``k_norm``) acts per head after it, so a key/value head's keys and values come from its own channels only: physical
+pruning keeps the kept key/value heads' channels (their kernels), and a pruned layer's conv states hold those
+channels alone. headlab checks each is such a convolution before slicing it
+(:func:`headlab.surgery.check_block_sliceable`)."""
+
+
 def inkling2_gate(core: Any) -> GateRows:
     """Inkling2 (``Inkling2SlidingAttention``, ``Inkling2FullAttention``): ``o_proj`` (``Inkling2GatedOutputProjection``)
     computes ``linear(attn_output * sigmoid(gate_proj(hidden_states)))``, ``attn_output`` the attention function's output
     reshaped ``[batch, seq, heads * head_dim]`` and ``gate_proj`` hidden -> heads x head_dim: head h's gate is rows
-    ``h * head_dim ..``. Its other per-head rows (``sink_proj``, ``relative_position_bias``) and its key/value short
-    convolutions are not sliced: physical pruning of Inkling2 is refused (:data:`PRUNING_REFUSED`)."""
+    ``h * head_dim ..``. Its other per-head rows (``sink_proj``, ``relative_position_bias``): :func:`inkling2_rows`."""
     return (("o_proj.gate_proj", ("head_dim",)),), ()
 
 
@@ -704,16 +806,13 @@ PROBE_FAILURES: dict[str, str] = dict.fromkeys(
 their forward fail as built), not guessed by the names of its projections (before: "cannot read the output width of
 Inkling2QueryProjection")."""
 
-PRUNING_REFUSED: dict[str, str] = dict.fromkeys(
-    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
-    "besides the rows of its q, k, v, o and gate projections, each head owns a row of its query norm's scale "
-    "(q_proj.norm.scale), a row of sink_proj, d_rel rows of "
-    "relative_position_bias.linear and a row of its norm's scale, and each key/value head channels of the key and "
-    "value short convolutions (k_proj.sconv, v_proj.sconv: a depthwise Conv1d in the sliding-window layers, static "
-    "taps and weight_proj rows per key/value head in the full-attention layers, their states in the cache), which "
-    "physical pruning does not slice (Inkling's k_sconv/v_sconv are refused so too)")
+PRUNING_REFUSED: dict[str, str] = {}
 """Model types whose attention is analysed and masked but not physically pruned, with why (``Family.prune_refused``
-of every block discovery finds in them): refused before any work."""
+of every block discovery finds in them): refused before any work. None since session 41: Inkling2 and Inkling2-Loop,
+listed in session 40, are pruned (their per-head parts: :data:`QKV_HEAD_ROWS`, :data:`HEAD_TABLES`,
+:data:`HEAD_COUNT_HOLDERS`, :data:`KV_CHANNEL_CONVS`, :data:`KV_DYNAMIC_CONVS`, :data:`QKV_APART`; a loop layer's
+module, run at several depths, as ALBERT's shared module: the same heads removed at each depth,
+:func:`headlab.surgery.check_shared_plan`)."""
 
 LRP_REFUSED: dict[str, str] = dict.fromkeys(
     ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],

@@ -2258,7 +2258,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
         hooks.append((block.v, _clamp_identity(clip)))
     # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate, and so
     # Longformer's query_global and key_global; not its value_global (values: relevance passes through them, as v's)
-    values = {id(block.module.get_submodule(path)) for path in block.family.head_row_values}
+    # Inkling's r_proj (Family.bias_rows): left to the score bias's rule below, which detaches rel_logits_proj's output
+    values = {id(block.module.get_submodule(path)) for path in (*block.family.head_row_values, *block.family.bias_rows)}
     hooks += [(module, _detach_output) for module in head_row_modules(block) if id(module) not in values]
     # Inkling's relative-position logits, a bias of the scores from the layer's input: constant with the queries
     score = mixer_rules.score_bias_rule_for(block.core)

@@ -230,7 +230,7 @@ def is_short_conv(module: nn.Module) -> bool:
 
 def short_conv_problem(module: nn.Module) -> str | None:
     """Why an Inkling short convolution is not ``u + conv(u)`` with ``conv`` depthwise, causal and bias-free, as the
-    refusal says it; None where it is (checked on a random input; meta weights: None)."""
+    refusal says it; None where it is (checked on a random input; meta weights, no channel: None)."""
     from headlab.importance.mixer_rules.probe import probing
 
     conv = module.conv1d
@@ -241,7 +241,7 @@ def short_conv_problem(module: nn.Module) -> str | None:
                 "the relevance the bias keeps cannot be counted and conservation cannot be checked")
     if conv.out_channels != width or conv.groups != width or conv.weight.shape[1] != 1:
         return f"its conv1d is not depthwise over {width} channels"
-    if conv.weight.is_meta:
+    if conv.weight.is_meta or not width:  # a layer pruned to no head keeps its k_sconv/v_sconv with no channel, unused
         return None
     g = torch.Generator().manual_seed(0)
     with probing(module):
