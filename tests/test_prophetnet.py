@@ -1,0 +1,216 @@
+"""ProphetNet (microsoft/prophetnet-*, transformers 5.24 models/prophetnet) analysed and masked (session 41, branch
+prophetnet; refused before any work by ``adapters.families.UNSUPPORTED`` until then, tests/test_mvp_prophetnet_pegasus_x.py).
+
+Its encoder self-attention and decoder cross-attention are ``ProphetNetAttention`` (BART's old attention outside the
+attention interface, which returns its masked scores before the softmax when asked): capture reads their softmax. Its
+decoder self-attention (``ProphetNetNgramSelfAttention``) runs the target tokens as a main stream and ``ngram``
+predicting streams through one set of projections, and its output projection twice (main, then predicting streams):
+the map analysed is the main stream's (the decoder's cross-attention's rows likewise), and masking a head removes it
+from every stream. The next-token logits come from the first predicting stream (checked here), which masking reaches.
+
+transformers' ProphetNet gives NaN in float64 on an integer padding mask (``1.0 - mask``, float32, times
+``finfo(float64).min``, which overflows to -inf: 0 x -inf at every unmasked key): headlab's blocks hand a float64
+ProphetNet its masks as float64 (headlab.adapters.prophetnet). On a tiny ProphetNet in float64 with a padded batch
+(pad id 0, as the released checkpoints': transformers' cached generation checks positions that hold only then):
+capture equals the module's probabilities bit for bit, masking equals zeroing the head's values
+by hand in every stream, gates at one change nothing, ``headlab analyze --ablation`` runs end to end; physical pruning
+and LRP are refused before any work, naming why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads
+
+PAD = 0
+KINDS = ("enc_self", "dec_self", "dec_cross")
+
+
+def _config(**overrides) -> tf.ProphetNetConfig:
+    values = dict(vocab_size=99, hidden_size=32, encoder_ffn_dim=37, decoder_ffn_dim=37, num_encoder_layers=2,
+                  num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                  max_position_embeddings=64, ngram=2, num_buckets=8, relative_max_distance=16, pad_token_id=PAD,
+                  bos_token_id=1, eos_token_id=1, decoder_start_token_id=1)
+    return tf.ProphetNetConfig(**{**values, **overrides})
+
+
+def tiny_prophetnet(**overrides) -> torch.nn.Module:
+    """A tiny ProphetNet in float64, headlab's blocks made (its masks as float64: the module's docstring)."""
+    torch.manual_seed(0)
+    model = tf.ProphetNetForConditionalGeneration(_config(**overrides)).double().eval()
+    attention_blocks(model)
+    return model
+
+
+def inputs() -> dict:
+    """Two sources of 7 ids, the second padded at the end (an integer mask, a tokenizer's), and two target prefixes
+    of 5."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 99, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    ids[1, 5:], mask[1, 5:] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+
+
+def logits(model, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def test_blocks_are_the_three_kinds():
+    """Encoder self-attention and decoder cross-attention (ProphetNetAttention), decoder self-attention (the n-gram
+    attention), 4 heads of 8 each, none idle; the causal LM's cross-attention (never fed) idle."""
+    blocks = attention_blocks(tiny_prophetnet())
+    assert sorted((b.kind, b.layer, b.n_heads, b.d_head, b.family.name, b.idle) for b in blocks) == sorted(
+        [("enc_self", i, 4, 8, "prophetnet-attention", False) for i in (0, 1)]
+        + [("dec_cross", i, 4, 8, "prophetnet-attention", False) for i in (0, 1)]
+        + [("dec_self", i, 4, 8, "prophetnet", False) for i in (0, 1)])
+    decoder = attention_blocks(tf.ProphetNetForCausalLM(_config()).eval())
+    assert sorted((b.kind, b.layer, b.idle) for b in decoder) == \
+        sorted([("dec_self", i, False) for i in (0, 1)] + [("dec_cross", i, True) for i in (0, 1)])
+
+
+def test_float64_takes_integer_masks():
+    """Regression: in float64, transformers' ProphetNet gives NaN on an integer padding mask; once headlab made its
+    blocks, the logits are finite and equal those of the same mask in float64 (bit for bit: what transformers computes
+    with a float mask), encoder and decoder masks both; float32 is left alone."""
+    torch.manual_seed(0)
+    plain = tf.ProphetNetForConditionalGeneration(_config()).double().eval()
+    batch = {**inputs(), "decoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    floats = {**batch, "attention_mask": batch["attention_mask"].double(),
+              "decoder_attention_mask": batch["decoder_attention_mask"].double()}
+    reference = logits(plain, floats)
+    assert torch.isfinite(reference).all()
+    attention_blocks(plain)
+    assert torch.equal(logits(plain, batch), reference)
+    assert torch.equal(logits(plain, floats), reference)
+    single = tf.ProphetNetForConditionalGeneration(_config()).eval()
+    attention_blocks(single)
+    assert type(single.prophetnet.encoder).forward is not tf.ProphetNetEncoder.forward
+    torch.testing.assert_close(logits(single, batch), logits(single.double(), floats).float(), atol=1e-5, rtol=0)
+
+
+def test_logits_come_from_the_first_predicting_stream():
+    """What the analysis rests on, read in ProphetNetForConditionalGeneration.forward: the next-token logits are the
+    LM head of the first predicting stream, not of the main stream (whose map is the one analysed; it reaches them
+    through every layer's keys and values)."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        streams = model.prophetnet(**batch).last_hidden_state_ngram
+    torch.testing.assert_close(out.logits, model.lm_head(streams[:, :5]), atol=1e-14, rtol=0)
+    assert not torch.allclose(out.logits, model.lm_head(out.decoder_hidden_states[-1]))
+
+
+def test_capture_equals_the_modules_probabilities():
+    """Capture on a padded batch: the encoder's and the cross-attention's maps equal the softmax of the scores
+    ``output_attentions`` returns (what the module's forward takes its softmax of), the cross-attention's main-stream
+    rows; the decoder's the main stream's probabilities; bit for bit, rows summing to one."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad():
+        out = model(**batch, output_attentions=True)
+        with capture_attention(model) as record:
+            model(**batch)
+    assert sorted(record) == sorted((kind, layer) for kind in KINDS for layer in (0, 1))
+    for layer in (0, 1):
+        assert out.cross_attentions[layer].shape[2] == 3 * 5  # [main | predicting 1 | predicting 2] x 5 tokens
+        assert torch.equal(record[("enc_self", layer)], out.encoder_attentions[layer].softmax(-1))
+        assert torch.equal(record[("dec_cross", layer)], out.cross_attentions[layer].softmax(-1)[:, :, :5])
+        assert torch.equal(record[("dec_self", layer)], out.decoder_attentions[layer])
+        for kind in KINDS:
+            torch.testing.assert_close(record[(kind, layer)].sum(-1), torch.ones(2, 4, record[(kind, layer)].shape[2],
+                                       dtype=torch.float64), atol=1e-6, rtol=0)
+    assert torch.equal(record[("enc_self", 0)][1, :, :, 5:], torch.zeros(4, 7, 2, dtype=torch.float64))
+
+
+def _zero_values(model, kind: str, layer: int, head: int) -> None:
+    if kind == "enc_self":
+        attention = model.prophetnet.encoder.layers[layer].self_attn
+    else:
+        decoder = model.prophetnet.decoder.layers[layer]
+        attention = decoder.cross_attn if kind == "dec_cross" else decoder.self_attn
+    with torch.no_grad():
+        attention.value_proj.weight[head * 8:(head + 1) * 8] = 0
+        attention.value_proj.bias[head * 8:(head + 1) * 8] = 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masking_equals_zeroing_the_values(kind):
+    """Masking head 2 of layer 1 changes the logits, comes off cleanly, and equals zeroing the head's value rows by
+    hand (its output 0 in every stream: the decoder self-attention's output projection runs on the main stream's heads
+    and on the predicting streams', both masked) to 1e-12."""
+    model, batch = tiny_prophetnet(), inputs()
+    before = logits(model, batch)
+    with mask_heads(model, {(kind, 1): [2]}):
+        masked = logits(model, batch)
+    assert torch.equal(logits(model, batch), before)
+    _zero_values(model, kind, 1, 2)
+    reference = logits(model, batch)
+    assert not torch.allclose(reference, before)
+    torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+
+
+def test_masking_reaches_the_predicting_streams():
+    """A decoder self-attention head masked is gone from the predicting streams too: logits_ngram (the second
+    predicting stream's, which the first's logits never see) equal those with its values zeroed."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad(), mask_heads(model, {("dec_self", 0): [1]}):
+        masked = model(**batch).logits_ngram
+    _zero_values(model, "dec_self", 0, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(masked, model(**batch).logits_ngram, atol=1e-12, rtol=0)
+
+
+def test_gates_at_one_change_nothing():
+    from support.family_matrix import check_gates_at_one_change_nothing
+
+    check_gates_at_one_change_nothing(tiny_prophetnet(), inputs())
+
+
+def test_pruning_and_lrp_refused_before_any_work():
+    """Physical pruning and LRP are refused, naming why, and nothing changes."""
+    from headlab import prune_heads
+    from headlab.importance import compute_lrp
+    from support.seq2seq_families import translated_data
+
+    model, batch = tiny_prophetnet(), inputs()
+    before = logits(model, batch)
+    for spec in ({("dec_self", 0): [1]}, {("enc_self", 1): [0]}, {("dec_cross", 0): [3]}):
+        with pytest.raises(HeadlabError, match="relative_pos_embeddings"):
+            prune_heads(model, spec)
+    assert torch.equal(logits(model, batch), before)
+    assert all(b.n_heads == 4 for b in attention_blocks(model))
+    data, info = translated_data(model, eos=1)
+    with pytest.raises(HeadlabError, match="ngram_embeddings"):
+        compute_lrp(model, data, info, bootstrap=0)
+
+
+def test_analyze_end_to_end(tmp_path, capsys):
+    """``headlab analyze --ablation`` on a saved tiny ProphetNet (float32, a word tokenizer with Marian's special ids):
+    every stage done but LRP (refused, saying why), pruning and the figures; the examples' decoder self-attention
+    causal."""
+    import numpy as np
+
+    from headlab.report.examples import load_example
+    from support.family_matrix import ANALYZE_STAGES, analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = tiny_prophetnet(pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1).float()
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    assert code == 1, capsys.readouterr().err  # LRP's stage failed: refused
+    for name in ANALYZE_STAGES:
+        assert stages[name]["status"] == "done", stages[name]
+    assert stages["lrp"]["status"] != "done" and "ngram_embeddings" in str(stages["lrp"]), stages["lrp"]
+    examples = sorted((tmp_path / "out").rglob("sentence-*.json"))
+    assert examples
+    for path in examples:
+        _, attention = load_example(path)
+        assert {kind for kind, _ in attention} == set(KINDS)
+        for (kind, _), maps in attention.items():
+            if kind == "dec_self":
+                assert maps.shape[-1] > 1 and np.triu(maps.sum(0), k=1).sum() == 0
