@@ -79,7 +79,7 @@ def test_float64_takes_integer_masks():
     with a float mask), encoder and decoder masks both; float32 is left alone."""
     torch.manual_seed(0)
     plain = tf.ProphetNetForConditionalGeneration(_config()).double().eval()
-    batch = {**inputs(), "decoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    batch = {**inputs(), "decoder_attention_mask": torch.ones(2, 5, dtype=torch.long)}
     floats = {**batch, "attention_mask": batch["attention_mask"].double(),
               "decoder_attention_mask": batch["decoder_attention_mask"].double()}
     reference = logits(plain, floats)
@@ -91,6 +91,36 @@ def test_float64_takes_integer_masks():
     attention_blocks(single)
     assert type(single.prophetnet.encoder).forward is not tf.ProphetNetEncoder.forward
     torch.testing.assert_close(logits(single, batch), logits(single.double(), floats).float(), atol=1e-5, rtol=0)
+
+
+def test_padded_targets_refused_before_the_decoder_runs():
+    """Regression: transformers' predicting streams gather their relative-position scores in an order that follows
+    the padded length, so a right-padded target row's logits differ from the row alone (checked here, without
+    headlab); the decoder refuses a padded target batch before it runs, naming the fix. Targets of one length give
+    each row's logits alone (1e-12), padded sources too, and so does cached greedy generation of a padded batch."""
+    model, batch = tiny_prophetnet(), inputs()
+    padded = {**batch, "decoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    alone = {"input_ids": batch["input_ids"][1:, :5], "decoder_input_ids": batch["decoder_input_ids"][1:, :3]}
+    plain = tf.ProphetNetForConditionalGeneration(_config()).double().eval()
+    plain.load_state_dict(model.state_dict())
+    floats = {**padded, "attention_mask": padded["attention_mask"].double(),
+              "decoder_attention_mask": padded["decoder_attention_mask"].double()}
+    assert not torch.allclose(logits(plain, floats)[1, :3], logits(plain, alone)[0], atol=1e-6, rtol=0)
+    calls: list = []
+    model.prophetnet.decoder.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(HeadlabError, match=r"row 1 is padded \(3 of 5 positions\).*--batch-size 1"):
+        logits(model, padded)
+    assert not calls
+    whole = {"input_ids": batch["input_ids"][1:, :5], "decoder_input_ids": batch["decoder_input_ids"][1:]}
+    torch.testing.assert_close(logits(model, batch)[1], logits(model, whole)[0], atol=1e-12, rtol=0)
+    sources = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    kwargs = dict(max_new_tokens=5, do_sample=False, num_beams=1, use_cache=True, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        both = model.generate(**sources, **kwargs)
+        one = model.generate(input_ids=batch["input_ids"][1:, :5], **kwargs)
+    assert torch.equal(both.sequences[1], one.sequences[0])
+    torch.testing.assert_close(torch.stack(both.scores)[:, 1], torch.stack(one.scores)[:, 0], atol=1e-12, rtol=0)
 
 
 def test_logits_come_from_the_first_predicting_stream():
@@ -189,9 +219,10 @@ def test_pruning_and_lrp_refused_before_any_work():
 
 
 def test_analyze_end_to_end(tmp_path, capsys):
-    """``headlab analyze --ablation`` on a saved tiny ProphetNet (float32, a word tokenizer with Marian's special ids):
-    every stage done but LRP (refused, saying why), pruning and the figures; the examples' decoder self-attention
-    causal."""
+    """``headlab analyze --ablation --batch-size 1`` on a saved tiny ProphetNet (float32, a word tokenizer with Marian's
+    special ids): every stage done but LRP (refused, saying why), pruning and the figures; the examples' decoder
+    self-attention causal. (With batches of several sentences, a stage that pads targets is refused: see
+    test_padded_targets_refused_before_the_decoder_runs.)"""
     import numpy as np
 
     from headlab.report.examples import load_example
@@ -201,7 +232,7 @@ def test_analyze_end_to_end(tmp_path, capsys):
     model = tiny_prophetnet(pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1).float()
     word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
     model.save_pretrained(tmp_path / "model")
-    code, stages = analyze(tmp_path / "model", tmp_path)
+    code, stages = analyze(tmp_path / "model", tmp_path, "--batch-size", "1")
     assert code == 1, capsys.readouterr().err  # LRP's stage failed: refused
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]

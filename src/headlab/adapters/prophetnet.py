@@ -1,4 +1,4 @@
-"""ProphetNet's padding masks made usable in float64, and its streams marked (transformers 5.24,
+"""ProphetNet's padding masks made usable in float64, padded targets refused, and its streams marked (transformers 5.24,
 models/prophetnet/modeling_prophetnet.py).
 
 What transformers does: ``ProphetNetEncoder`` and ``ProphetNetDecoder`` turn their padding masks into additive ones as
@@ -11,10 +11,18 @@ What headlab does: :func:`install` (called whenever headlab makes the model's bl
 subclasses of the same names, no hook (as :func:`headlab.adapters.convbert.install_padding_mask`), whose forward hands
 a float64 model its integer or boolean masks as float64 (the same zeros and ones): the additive masks are then 0 and
 ``finfo(float64).min``, what a float mask gives transformers' own forward. In any other precision the forward is the
-original's, untouched. It also marks each ``ProphetNetAttention`` with how many streams its queries stack
-(``headlab_streams``, an attribute its forward never reads), which :func:`headlab.adapters.families.prophetnet_probs`
-reads: 1 in the encoder, ``1 + ngram`` in a decoder layer's cross-attention, whose queries are the decoder's
-``[main stream | ngram predicting streams]`` along the sequence.
+original's, untouched. The decoder's forward also refuses, before it runs, a teacher-forced batch whose padding mask
+masks positions: its predicting streams' relative-position scores are gathered from rows in an order that follows the
+padded length (``get_predict_relative_pos_embeddings``: the projected scores ordered [batch, position, stream, head],
+the buckets [stream, batch, head, position]), so a right-padded row's logits differ from the row alone (by 4e-4 on a
+tiny model in float64), and a position's logits change with the sequence's length; the main stream, whose maps
+headlab reads, is untouched by it. Batches of one target length (one sentence per batch) are the rows alone; so is
+cached generation (checked: a batch of two generates what each does alone), whose scores differ from a teacher-forced
+pass over the same tokens for that reason (4e-4 on the tiny model: one position per step). It also marks each
+``ProphetNetAttention`` with how many streams its queries stack (``headlab_streams``, an attribute its forward never
+reads), which :func:`headlab.adapters.families.prophetnet_probs` reads: 1 in the encoder, ``1 + ngram`` in a decoder
+layer's cross- attention, whose queries are the decoder's ``[main stream | ngram predicting streams]`` along the
+sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from headlab.errors import HeadlabError
 
 MASKS: dict[str, tuple[tuple[str, int], ...]] = {
     "ProphetNetEncoder": (("attention_mask", 1),),
@@ -51,8 +61,26 @@ def float_masks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return tuple(listed), named
 
 
+def check_target_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse, before ``ProphetNetDecoder.forward`` runs, a batch of more than one position whose padding mask masks
+    some (see the module's docstring: a padded row's logits are not the row's alone)."""
+    if type(module).__name__ != "ProphetNetDecoder":
+        return
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2 or bool(mask.bool().all()):
+        return
+    row = int((~mask.bool()).any(dim=1).nonzero()[0, 0])
+    raise HeadlabError(
+        f"ProphetNet's decoder given a batch whose row {row} is padded ({int(mask[row].bool().sum())} of "
+        f"{mask.shape[1]} positions): in transformers' ProphetNetNgramSelfAttention the predicting streams' "
+        "relative-position scores (get_predict_relative_pos_embeddings) are gathered in an order that follows the "
+        "padded length, so a padded row's logits differ from the row's alone (and the next-token logits come from the "
+        "first predicting stream); run one sentence per batch (--batch-size 1), or batch targets of one length")
+
+
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = float_masks(self, args, kwargs)
+    check_target_padding(self, args, kwargs)
     return type(self)._headlab_plain_forward(self, *args, **kwargs)  # type: ignore[attr-defined]
 
 
@@ -62,6 +90,7 @@ def _instance_forward(module: nn.Module, forward: Callable[..., Any]) -> Callabl
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = float_masks(module, args, kwargs)
+        check_target_padding(module, args, kwargs)
         return forward(*args, **kwargs)
 
     setattr(wrapped, _INSTALLED, True)
