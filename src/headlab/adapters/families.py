@@ -1721,11 +1721,12 @@ def _prophetnet_install(model: Any) -> None:
     install(model)
 
 
-PROPHETNET_PRUNING_REFUSED = (
-    "ProphetNet's attention merges the heads to the hidden states' width and checks its masks against the config's "
-    "head count (built for every head: [batch, heads, ..]), and its decoder self-attention's relative-position "
-    "projection (relative_pos_embeddings) holds a row per (bucket, head), bucket-major, that a pruned layer would have "
-    "to lose with the head: no pruned forward of headlab's takes them yet")
+PROPHETNET_NGRAM_PRUNING_REFUSED = (
+    "transformers' ProphetNetNgramSelfAttention (get_predict_relative_pos_embeddings) gives the predicting streams' "
+    "query of head h, stream n, position t the relative-position scores projected for another (position, stream, "
+    "head) row, in an order that follows the layer's head count and the length (projections ordered [batch, "
+    "position, stream, head], buckets [stream, batch, head, position]), so a layer with fewer heads gives the heads "
+    "it keeps other scores than the masked layer does (2.7e-3 apart on a tiny model): no pruning of it is exact")
 PROPHETNET_LRP_REFUSED = (
     "ProphetNet's decoder self-attention adds relative-position scores projected from each stream's hidden states "
     "(relative_pos_embeddings), which LRP would have to hold constant beside q and k, and its predicting streams start "
@@ -1758,7 +1759,7 @@ PROPHETNET_ATTENTION = Family(
     head_count_attrs=("num_attn_heads",),
     probs_argument=("output_attentions", 4),
     probs_reader=prophetnet_probs,
-    prune_refused=PROPHETNET_PRUNING_REFUSED,
+    pruned_forward="prophetnet-attention",
     lrp_refused=PROPHETNET_LRP_REFUSED,
 )
 PROPHETNET = Family(
@@ -1770,7 +1771,7 @@ PROPHETNET = Family(
     extra_outputs=1,
     output_calls=2,
     install=_prophetnet_install,
-    prune_refused=PROPHETNET_PRUNING_REFUSED,
+    prune_refused=PROPHETNET_NGRAM_PRUNING_REFUSED,
     lrp_refused=PROPHETNET_LRP_REFUSED,
     parts=(PROPHETNET_ATTENTION,),
 )
