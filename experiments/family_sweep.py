@@ -185,7 +185,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                                               bias_max_distance=16, feature_layer=-1)),
     "prophetnet": dict(num_hidden_layers=UNSET, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
                        num_decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_buckets=8,
-                       relative_max_distance=16),
+                       # pad id 0, as the released checkpoints': transformers' cached generation checks positions
+                       # that hold only then (session 41)
+                       relative_max_distance=16, pad_token_id=0),
     **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "layer_types": HYBRID}) for t in ("qwen3_5", "qwen3_5_moe")},
     "qwen4_exp": dict(text_config={**SIZES, **EXTRA_SIZES, **QWEN4}),
     "qwen4_exp_text": QWEN4,
