@@ -327,3 +327,17 @@ def test_analyze_end_to_end(tmp_path, capsys):
         for (kind, _), maps in attention.items():
             if kind == "dec_self":
                 assert maps.shape[-1] > 1 and np.triu(maps.sum(0), k=1).sum() == 0
+
+
+def test_causal_lm_analyze_end_to_end(tmp_path, capsys):
+    """``headlab analyze --ablation --batch-size 1`` on a saved ProphetNetForCausalLM (the decoder alone, its
+    cross-attention idle): every stage done but LRP (refused), pruning and the figures."""
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    torch.manual_seed(0)
+    save_tiny(tf.ProphetNetForCausalLM(_config()).eval(), tmp_path / "model", treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / "model", tmp_path, "--batch-size", "1")
+    assert code == 1, capsys.readouterr().err  # LRP's stage failed: refused
+    for name in ANALYZE_STAGES:
+        assert stages[name]["status"] == "done", stages[name]
+    assert stages["lrp"]["status"] != "done" and "ngram_embeddings" in str(stages["lrp"]), stages["lrp"]
