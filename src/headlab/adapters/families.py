@@ -1677,6 +1677,13 @@ LEARNED_TOKENS: dict[str, str] = {"PegasusXEncoder": "embed_global"}
 beside them (PEGASUS-X's encoder: ``embed_global``, its global tokens): LRP counts the relevance that reaches them as
 a bias's (a constant of the model), so that conservation holds (:mod:`headlab.importance.lrp`)."""
 
+LEARNED_STREAMS: dict[str, str] = {"ProphetNetDecoderLayer": "self_attn.ngram"}
+"""Layers (by class) whose input holds, after the tokens' rows, streams of as many rows each that are no tokens
+(ProphetNet's decoder: its ``ngram`` predicting streams, each row a learned ``ngram_embeddings`` row plus a position's
+embedding), with the attribute (path from the layer) holding how many: where such a layer is a stack's first, LRP
+counts the relevance reaching those rows at the stack's cut as a bias's (a constant of the model), the tokens' rows as
+the input embeddings (:mod:`headlab.importance.lrp`)."""
+
 PEGASUS_X_DECODER = replace(BART_LIKE, name="pegasus-x-decoder", patterns=BART_LIKE.patterns[1:])
 PEGASUS_X = Family(
     name="pegasus-x",
@@ -1727,12 +1734,6 @@ PROPHETNET_NGRAM_PRUNING_REFUSED = (
     "head) row, in an order that follows the layer's head count and the length (projections ordered [batch, "
     "position, stream, head], buckets [stream, batch, head, position]), so a layer with fewer heads gives the heads "
     "it keeps other scores than the masked layer does (2.7e-3 apart on a tiny model): no pruning of it is exact")
-PROPHETNET_LRP_REFUSED = (
-    "ProphetNet's decoder self-attention adds relative-position scores projected from each stream's hidden states "
-    "(relative_pos_embeddings), which LRP would have to hold constant beside q and k, and its predicting streams start "
-    "from the learned ngram_embeddings weight (read as a tensor, not through the embedding's forward), whose relevance "
-    "no LRP rule of headlab's counts: conservation is unchecked")
-
 # ProphetNet (ProphetNetForConditionalGeneration, microsoft/prophetnet-large-uncased*, transformers 5.24,
 # models/prophetnet; session 41, branch prophetnet; XLM-ProphetNet left transformers before 5.24). The encoder's
 # layers.N.self_attn and the decoder's layers.N.cross_attn are ProphetNetAttention (a part, :data:`PROPHETNET_ATTENTION`).
@@ -1760,7 +1761,6 @@ PROPHETNET_ATTENTION = Family(
     probs_argument=("output_attentions", 4),
     probs_reader=prophetnet_probs,
     pruned_forward="prophetnet-attention",
-    lrp_refused=PROPHETNET_LRP_REFUSED,
 )
 PROPHETNET = Family(
     name="prophetnet",
@@ -1772,7 +1772,6 @@ PROPHETNET = Family(
     output_calls=2,
     install=_prophetnet_install,
     prune_refused=PROPHETNET_NGRAM_PRUNING_REFUSED,
-    lrp_refused=PROPHETNET_LRP_REFUSED,
     parts=(PROPHETNET_ATTENTION,),
 )
 # ProphetNetForCausalLM (is_encoder_decoder False): the decoder alone, its cross_attn (add_cross_attention) attending
