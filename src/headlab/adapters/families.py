@@ -1749,8 +1749,13 @@ PROPHETNET_NGRAM_PRUNING_REFUSED = (
 # stream every layer's keys and values at the tokens come from. The next-token logits come from the first predicting
 # stream (ProphetNetForConditionalGeneration.forward: logits = lm_head(last_hidden_state_ngram)[:, 0]), whose query
 # at position t attends over [main stream's tokens 0..t | itself]: its map, and the other predicting streams' (which
-# reach logits_ngram only), are not analysed; importance measured by masking (ablation, gradients of gates) covers
-# the whole head, every stream.
+# reach logits_ngram only), are not analysed; importance measured by masking (ablation, gradients of gates) and LRP
+# (a head's relevance summed over out_proj's two runs) covers the whole head, every stream. headlab.adapters.prophetnet
+# (Family.install) hands a float64 model float64 masks and refuses padded target batches. Pruning: the encoder's and
+# the cross-attention's take PRUNED_FORWARDS["prophetnet-attention"]; the decoder self-attention's is refused
+# (PROPHETNET_NGRAM_PRUNING_REFUSED). LRP: the relative-position scores held constant
+# (headlab.importance.mixer_rules.prophetnet), the predicting streams' rows at the decoder's cut kept as constants
+# (LEARNED_STREAMS).
 PROPHETNET_ATTENTION = Family(
     name="prophetnet-attention",
     patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),
