@@ -18,7 +18,8 @@ Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: th
 analysable block: family_sweep's outcome).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python experiments/fused_sweep.py [--multimodal | --causal-first] [--only TYPE ...] [--timeout 60]
+        .venv/bin/python experiments/fused_sweep.py [--multimodal | --causal-first] [--only TYPE ...] [--timeout 60] \\
+        [--set NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -168,8 +169,14 @@ def main() -> None:
     parser.add_argument("--multimodal", action="store_true", help="the image-text-to-text wrappers (family_sweep's)")
     parser.add_argument("--causal-first", action="store_true",
                         help="the causal-LM class of a type that has several (family_sweep's)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a config attribute every build sets, as variant_sweep's variants do (a string value: "
+                             "--set encoder_attention_type=transient-global builds LongT5's transient-global encoder)")
     args = parser.parse_args()
     sweep.MULTIMODAL, sweep.CAUSAL_FIRST = args.multimodal, args.causal_first
+    for setting in args.set:
+        name, _, value = setting.partition("=")
+        sweep.VARIANT[name] = value
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     sweep.run_types(check, only=args.only, timeout=args.timeout)

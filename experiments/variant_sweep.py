@@ -36,6 +36,7 @@ KNOWN: dict[str, tuple] = {
     "final_logit_softcapping": (30.0, 10.0), "query_pre_attn_scalar": (16, 32), "clip_qkv": (1.0, 2.0),
     "attention_multiplier": (0.5, 0.25), "sliding_window": (4, 3),
     "use_bidirectional_attention": ("all",),  # Gemma 4's (None, "all" or "vision"; a boolean elsewhere)
+    "encoder_attention_type": ("transient-global",),  # LongT5's ("local" by default; google/long-t5-tglobal-*)
 }
 # set with a sliding window where the config has them (without, Qwen2's window is off, or no layer uses it)
 WITH_WINDOW = {"use_sliding_window": True, "layer_types": fs.LOCAL_GLOBAL}

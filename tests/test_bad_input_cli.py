@@ -63,6 +63,29 @@ def test_exit_codes_and_messages(error, code, expected, traceback, inputs, tmp_p
         assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+def test_a_failure_in_the_model_s_own_code_is_named_so(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: DeepSeek-V4 loaded in float16 fails in transformers' own forward (a float32 compressor fed float16
+    states); headlab said "internal error ... this is a bug in headlab". A forward whose code is transformers' (its
+    frame in modeling_marian.py) failing inside a torch module (frames only passed through) is named as the model
+    code's, with its file and line, no traceback without --debug."""
+    import torch
+    import transformers.models.marian.modeling_marian as modeling
+
+    space: dict = {"torch": torch}
+    exec(compile("def forward(self, *args, **kwargs):\n    return torch.nn.Linear(2, 2)(torch.zeros(1, 2, "
+                 "dtype=torch.float64))\n", modeling.__file__, "exec"), space)
+    monkeypatch.setattr(modeling.MarianAttention, "forward", space["forward"])
+    args = ["importance", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--method", "confidence",
+            "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "bug in headlab, the traceback" not in err, err
+    assert "headlab importance: error: the model's own code failed (RuntimeError: " in err
+    assert "at transformers/models/marian/modeling_marian.py, line 2, in forward" in err
+    assert main(["--debug", *args]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["functions"])

@@ -331,10 +331,10 @@ def _split_map(model, first, rest) -> dict:
 
 
 @pytest.mark.parametrize("split", ["two GPUs", "first layers offloaded to the CPU"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", ["t5", "longt5", "longt5-tglobal"])
 def test_a_pruned_t5_split_over_devices_equals_it_on_the_cpu(family, split, tmp_path):
-    """A pruned T5 / local LongT5 dispatched by a device_map that puts each stack's first layer (its position bias
-    table) apart from the later layers, loaded by headlab (load_model) and by plain transformers (pruned_heads.py):
+    """A pruned T5 / local or transient-global LongT5 dispatched by a device_map that puts each stack's first layer (its
+    position bias tables) apart from the later layers, loaded by headlab (load_model) and by plain transformers (pruned_heads.py):
     each pruned layer's hook computes the bias where the table is and hands it over on its own layer's device
     (portable_code.StackBiasHook; until session 34 it computed it on the layer's device, an index into a table on
     another device). Logits and cached greedy generation equal the pruned model's on the CPU, in float64.

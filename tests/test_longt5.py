@@ -1,6 +1,6 @@
 """LongT5 (google/long-t5-local-*) with local attention as a table family of two layouts (refused before any work
 until session 32: its encoder's LongT5LocalAttention calls no attention interface and no table described it);
-transient-global LongT5 refused before any work, per config.
+transient-global LongT5 (refused before any work until session 41) is tests/test_longt5_transient_global.py's.
 
 The encoder's ``LocalSelfAttention`` is T5's q/k/v/o computed block-wise: blocks of ``block_len = local_radius + 1``
 tokens, each attending over three blocks masked to ``local_radius`` keys each side, the probabilities handed out
@@ -15,8 +15,8 @@ blocked. The decoder is T5's (``Family.parts``). On tiny float64 models (local_r
   directory save_pruned writes, loaded by load_pruned and by plain transformers (pruned_heads.py: the position bias
   table stays whole, each pruned layer handed its kept heads' columns, as by headlab's hooks);
 * compute_lrp conserves relevance on the model's own translations to 1e-9 in float64, before and after pruning;
-* transient-global LongT5 is refused before any work naming its side keys; ``headlab analyze --ablation`` runs every
-  stage on a saved tiny local LongT5.
+* transient-global LongT5 is no longer refused; ``headlab analyze --ablation`` runs every stage on a saved tiny
+  local LongT5.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 import transformers as tf
 
 from headlab import (
-    HeadlabError,
     ScalarGates,
     attention_blocks,
     capture_attention,
@@ -260,16 +259,14 @@ def test_longt5_lrp_conserves_in_float64(spec_name):
 
 
 @pytest.mark.parametrize("cls", [tf.LongT5ForConditionalGeneration, tf.LongT5EncoderModel])
-def test_longt5_transient_global_is_refused_before_any_work(cls):
-    """Transient-global attention's side keys are aggregates of blocks of tokens, not tokens: refused per config, the
-    local LongT5 of the same sizes supported."""
+def test_longt5_transient_global_is_no_longer_refused(cls):
+    """Transient-global LongT5, refused per config until session 41 (its side keys are aggregates of blocks of
+    tokens), is analysed: its encoder's blocks are its own entry's (tests/test_longt5_transient_global.py)."""
     model = perturbed_model(cls, _config(encoder_attention_type="transient-global", global_block_size=4),
                             attn_implementation="eager")
-    with pytest.raises(HeadlabError, match=r"encoder_attention_type='transient-global'.*aggregates of blocks of "
-                                           r"global_block_size=4 tokens.*do not sum to one.*decoder only"):
-        attention_blocks(model)
-    local = perturbed_model(cls, _config(), attn_implementation="eager")
-    assert {b.kind for b in attention_blocks(local)} == ({"enc_self"} if cls is tf.LongT5EncoderModel else set(KINDS))
+    blocks = attention_blocks(model)
+    assert {b.family.name for b in blocks if b.kind == "enc_self"} == {"longt5-transient-global"}
+    assert {b.kind for b in blocks} == ({"enc_self"} if cls is tf.LongT5EncoderModel else set(KINDS))
 
 
 def test_longt5_analyze_end_to_end(tmp_path, capsys):

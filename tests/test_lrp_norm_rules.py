@@ -3,8 +3,9 @@ refused (session 28, task lrpnorm28); each is a computation headlab already had 
 
 * Cohere's ``CohereLayerNorm`` (Cohere 2, Cohere2-MoE and Compass have copies): a layer norm with a weight and no
   bias, computed in float32: the layer-norm rule (``1 / std`` held constant, LXT's ``layer_norm_forward``) with
-  the factor it really applied. A class named ``...LayerNorm`` that computes something else (an RMS norm, as T5's
-  copies do) stays refused before any work: a probe of its forward says what it computes;
+  the factor it really applied. A class named ``...LayerNorm`` that computes an RMS norm (T5's copies: Switch
+  Transformers', Pop2Piano's) gets the RMS rule since session 41, and one computing neither stays refused before
+  any work: a probe of its forward says what it computes;
 * MobileBERT's ``NoNorm``: ``x * weight + bias``, no statistics: a weighted sum, whose ordinary backward is the
   linear rule; and MobileBERT's LM head, which multiplies its output layer's weight itself (never calling it):
   the explained logit is rebuilt from the head's own parts (checked);
@@ -108,15 +109,27 @@ def test_mobileberts_logits_are_explained_through_the_weights_its_head_multiplie
 
 
 def test_a_layer_norm_by_name_is_one_only_if_it_computes_one():
-    """Cohere's norm gets the layer-norm rule; T5's copy in Pop2Piano (``Pop2PianoLayerNorm``: an RMS norm) is
-    still refused before any work; on the meta device (no probe) the rule checks the formula on every call."""
+    """Cohere's norm gets the layer-norm rule; T5's copy in Pop2Piano (``Pop2PianoLayerNorm``: an RMS norm) gets the
+    RMS norm's, as a probe shows it computes one (since session 41; refused before); a ``...LayerNorm`` computing
+    neither is refused before any work; on the meta device (no probe) the rule checks the formula on every call."""
     from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.pop2piano.modeling_pop2piano import Pop2PianoLayerNorm
 
+    from headlab.importance.rules import _rms_norm_rule
+
+    class DoubledLayerNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return 2 * x * self.weight
+
     cohere = CohereLayerNorm(8)
     assert norm_rule(cohere) is not None
-    with pytest.raises(HeadlabError, match="no rule for the normalisation module Pop2PianoLayerNorm"):
-        norm_rule(Pop2PianoLayerNorm(8))
+    assert norm_rule(Pop2PianoLayerNorm(8)) is _rms_norm_rule
+    with pytest.raises(HeadlabError, match="no rule for the normalisation module DoubledLayerNorm"):
+        norm_rule(DoubledLayerNorm())
     with torch.device("meta"):
         assert norm_rule(Pop2PianoLayerNorm(8)) is not None
     rms = Pop2PianoLayerNorm(8)
@@ -186,3 +199,40 @@ def test_lfm2s_mlp_is_computed_in_float64_as_the_other_gated_mlps():
 
     assert lrp_precision(FAMILIES["lfm2"][0]()) == torch.float64
     assert lrp_precision(FAMILIES["mobilebert"][0]()) == torch.float32  # no gated MLP
+
+
+def test_switch_transformers_norm_is_an_rms_norm_and_lrp_conserves():
+    """Regression: Switch Transformers' ``SwitchTransformersLayerNorm`` (T5's RMS norm under a layer norm's name) had
+    no rule: its LRP was refused before any work ("no rule for the normalisation module"). A probe shows it to be an
+    RMS norm; compute_lrp explains the model's own translation, relevance conserved in float64."""
+    from headlab.data.inputs import translate_data
+    from support.lrp_families import lrp_data, offset_biases_and_norms
+    from test_swept_families import T5_LIKE
+
+    cls, config = T5_LIKE["switch_transformers"]()
+    torch.manual_seed(0)
+    model = cls(config).eval().double()
+    offset_biases_and_norms(model)
+    check_rules(model)
+    data, info = lrp_data(model)
+    data = translate_data(model, data, info, max_length_a=0.5, max_length_b=4)
+    translated = sum(1 for t in data.translations if t)  # an empty translation (end of sentence first) has no target
+    assert translated >= 2
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == translated and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
+
+
+def test_nllb_moe_experts_with_biases_are_refused_before_any_work():
+    """NLLB-MoE holds its experts as modules, as Switch Transformers, but with biases (fc1, fc2) that only the tokens
+    routed to an expert see: headlab's bias probes, one per token of the batch, would not measure their shares
+    (measured: 7e-5 of each logit unaccounted, inside compute_lrp's 1e-3), so LRP is refused before any work, naming
+    them (before session 41: "no rule for the mixture-of-experts module NllbMoeExperts")."""
+    config = tf.NllbMoeConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=40,
+                              decoder_ffn_dim=40, encoder_attention_heads=4, decoder_attention_heads=4, num_experts=2,
+                              encoder_sparse_step=2, decoder_sparse_step=2, expert_capacity=64, pad_token_id=0,
+                              eos_token_id=1, bos_token_id=0, decoder_start_token_id=1, max_position_embeddings=64)
+    model = tf.NllbMoeForConditionalGeneration(config).eval()
+    with pytest.raises(HeadlabError, match=r"NllbMoeExperts .*its experts' biases \(fc1, fc2\) apply to the tokens"):
+        check_rules(model)

@@ -31,6 +31,8 @@ vocab 99), random biases and norm weights; no download.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as tf
@@ -290,6 +292,24 @@ NLLB_MOE = lambda: (tf.NllbMoeForConditionalGeneration, tf.NllbMoeConfig(  # noq
     decoder_sparse_step=2, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
     decoder_start_token_id=2))
 SEQ2SEQ_PRUNED = {**T5_LIKE, "nllb-moe": NLLB_MOE}
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ({"moe_eval_capacity_token_fraction": 0.5}, "moe_eval_capacity_token_fraction=0.5 drops"),
+    ({"second_expert_policy": "random"}, "second_expert_policy='random' routes tokens to their second expert at random"),
+    ({"second_expert_policy": "sampling"}, "second_expert_policy='sampling'"),
+])
+def test_nllb_moe_routing_that_depends_on_the_batch_or_chance_is_refused(setting, expected):
+    """Found in session 41: with moe_eval_capacity_token_fraction below 1 an expert's capacity in evaluation mode is
+    counted over the whole batch, so a right-padded sentence's logits differ from the sentence alone (3e-3 on this
+    model); the sampling and random second-expert policies route at random in evaluation mode too. Refused before any
+    work; the defaults stay supported."""
+    cls, config = NLLB_MOE()
+    for name, value in setting.items():
+        setattr(config, name, value)
+    with pytest.raises(HeadlabError, match=re.escape(expected)):
+        attention_blocks(cls(config).eval())
+    assert attention_blocks(NLLB_MOE()[0](NLLB_MOE()[1]).eval())
 
 
 @pytest.mark.parametrize("family", SEQ2SEQ_PRUNED)

@@ -16,8 +16,8 @@ headlab or loaded by plain transformers through pruned_heads.py:
   session 34 (the first layer's device on real GPUs: tests/test_cuda.py); with the first layers offloaded by
   accelerate (their table on the meta device outside their forward) the logits are the same.
 
-Tiny float64 T5 and local LongT5, the first layer of each stack (the one with the table) pruned and a layer with no
-head left.
+Tiny float64 T5, local LongT5 and transient-global LongT5 (since session 41: both its tables), the first layer of each
+stack (the one with the table) pruned and a layer with no head left.
 """
 
 from __future__ import annotations
@@ -39,6 +39,20 @@ EMPTIED_FIRST = {("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [2], ("dec_self
                  ("dec_self", 1): [1]}
 
 
+FAMILIES = ["t5", "longt5", "longt5-tglobal"]
+CORES = {"t5": {"T5Attention"}, "longt5": {"LongT5LocalAttention", "LongT5Attention"},
+         "longt5-tglobal": {"LongT5TransientGlobalAttention", "LongT5Attention"}}
+
+
+def _same(family: str, how: str) -> float:
+    """The tolerance of a pruned model against its copy (pickled, or its first layers' weights copied by accelerate's
+    offloading): none, but for the tiny transient-global LongT5 loaded by plain transformers, whose encoder's first
+    layer's weights sit 56 bytes past a 64-byte boundary (views into one loaded buffer): the BLAS kernels round its
+    matrix products otherwise on aligned copies, by an ulp (measured 2e-16 at layer 0's output, 1e-15 in the logits;
+    the weights' values and strides equal; cloning them in place removes it). Which layout a load gives is chance."""
+    return 1e-13 if (family, how) == ("longt5-tglobal", "plain") else 0.0
+
+
 def _model(family: str) -> torch.nn.Module:
     sizes = dict(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4,
                  relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
@@ -46,6 +60,9 @@ def _model(family: str) -> torch.nn.Module:
     if family == "longt5":
         cls, config = tf.LongT5ForConditionalGeneration, tf.LongT5Config(**sizes, local_radius=2,
                                                                           encoder_attention_type="local")
+    elif family == "longt5-tglobal":  # side keys of 3 blocks of 3 tokens (the 10th an orphan)
+        cls, config = tf.LongT5ForConditionalGeneration, tf.LongT5Config(
+            **sizes, local_radius=2, global_block_size=3, encoder_attention_type="transient-global")
     else:
         cls, config = tf.T5ForConditionalGeneration, tf.T5Config(**sizes)
     return perturbed_model(cls, config, seed=4, attn_implementation="eager").double()
@@ -66,9 +83,11 @@ def _logits(model, inputs) -> torch.Tensor:
 
 
 def _tables(model) -> list[torch.Tensor]:
-    # a stack's table, once per stack (an emptied first layer's stand-in holds the same Embedding)
-    found = {id(m.relative_attention_bias): m.relative_attention_bias.weight for m in model.modules()
-             if isinstance(getattr(m, "relative_attention_bias", None), torch.nn.Embedding)}
+    # a stack's tables, once per stack (an emptied first layer's stand-in holds the same Embeddings): the relative
+    # position bias's, and transient-global LongT5's side keys' bias's
+    found = {id(table): table.weight for m in model.modules()
+             for table in (getattr(m, name, None) for name in ("relative_attention_bias", "global_relative_attention_bias"))
+             if isinstance(table, torch.nn.Embedding)}
     return list(found.values())
 
 
@@ -85,7 +104,7 @@ def _pruned(family: str, how: str, tmp_path, model=None, spec=None) -> torch.nn.
 
 @pytest.mark.parametrize("emptied_first", [False, True], ids=["first pruned", "first emptied"])
 @pytest.mark.parametrize("how", ["headlab", "plain"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_deep_copy_of_a_pruned_t5_reads_its_own_table(family, how, emptied_first, tmp_path):
     model = _pruned(family, how, tmp_path, spec=EMPTIED_FIRST if emptied_first else SPEC)
     inputs = _inputs()
@@ -107,7 +126,7 @@ def test_a_deep_copy_of_a_pruned_t5_reads_its_own_table(family, how, emptied_fir
 
 @pytest.mark.parametrize("emptied_first", [False, True], ids=["first pruned", "first emptied"])
 @pytest.mark.parametrize("how", ["headlab", "plain"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_pruned_t5_pickles(family, how, emptied_first, tmp_path):
     model = _pruned(family, how, tmp_path, spec=EMPTIED_FIRST if emptied_first else SPEC)
     inputs = _inputs()
@@ -115,7 +134,7 @@ def test_a_pruned_t5_pickles(family, how, emptied_first, tmp_path):
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    torch.testing.assert_close(_logits(loaded, inputs), _logits(model, inputs), atol=0, rtol=0)
+    torch.testing.assert_close(_logits(loaded, inputs), _logits(model, inputs), atol=_same(family, how), rtol=0)
 
 
 def _static_generation(model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +146,7 @@ def _static_generation(model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("how", ["headlab", "plain"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_pruned_t5_generates_with_a_static_cache(family, how, tmp_path):
     model, inputs = _model(family), _inputs()
     with mask_heads(model, SPEC):
@@ -153,7 +172,7 @@ def _tensors(*trees) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("how", ["headlab", "plain"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_bias_hook_hands_its_layer_tensors_on_the_layers_device(family, how, tmp_path):
     model = _pruned(family, how, tmp_path)
     calls = []
@@ -163,8 +182,7 @@ def test_a_bias_hook_hands_its_layer_tensors_on_the_layers_device(family, how, t
     _logits(model, {**_inputs(), "use_cache": False})
     for handle in handles:
         handle.remove()
-    assert {type(module).__name__ for module, *_ in calls} >= (
-        {"T5Attention"} if family == "t5" else {"LongT5LocalAttention", "LongT5Attention"})
+    assert {type(module).__name__ for module, *_ in calls} >= CORES[family]
 
     def meta(value):
         return value.to("meta") if isinstance(value, torch.Tensor) else value
@@ -177,7 +195,7 @@ def test_a_bias_hook_hands_its_layer_tensors_on_the_layers_device(family, how, t
 
 
 @pytest.mark.parametrize("how", ["headlab", "plain"])
-@pytest.mark.parametrize("family", ["t5", "longt5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_pruned_t5_runs_with_its_tables_offloaded(family, how, tmp_path):
     """accelerate's offloading of each stack's first layer (a device_map's "cpu" beside a GPU; here executed on the
     CPU): its table is on the meta device outside that layer's forward, where the other layers' hooks compute."""
@@ -190,4 +208,4 @@ def test_a_pruned_t5_runs_with_its_tables_offloaded(family, how, tmp_path):
         attach_align_device_hook(first, execution_device=torch.device("cpu"), offload=True,
                                  weights_map={name: tensor.clone() for name, tensor in first.state_dict().items()})
     assert {table.device.type for table in _tables(model)} == {"meta"}
-    torch.testing.assert_close(_logits(model, inputs), expected, atol=0, rtol=0)
+    torch.testing.assert_close(_logits(model, inputs), expected, atol=_same(family, how), rtol=0)

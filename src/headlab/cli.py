@@ -160,6 +160,9 @@ def _run(argv: list[str] | None) -> int:
         failed_write = _write_failure(error)
         if failed_write:  # a full disk under safetensors or tokenizers: the user's, not a bug
             return _fail(args, name, f"{failed_write}{_kept_after_failure(args)}", 1)
+        in_model = _failed_in_model_code(error)
+        if in_model:  # transformers' own modeling code raised (DeepSeek-V4 in float16): say so, not "a bug in headlab"
+            return _fail(args, name, in_model, 1)
         traceback.print_exc()
         print(f"headlab {name}: internal error ({type(error).__name__}: {error}); this is a bug in headlab, "
               "the traceback above says where", file=sys.stderr)
@@ -227,6 +230,32 @@ def _write_failure(error: Exception) -> str | None:
             type(error).__module__.split(".")[0], "a file (tokenizers)")
         return f"cannot write {writer}: {os.strerror(int(code.group(1)))}"
     return None
+
+
+_PASSED_THROUGH = (f"{os.sep}torch{os.sep}", f"{os.sep}transformers{os.sep}utils{os.sep}", f"{os.sep}functools.py",
+                   f"{os.sep}contextlib.py")
+"""Frames an error only passes through on its way out of a model's code: torch's modules and functions,
+transformers' decorators (deprecated arguments, output capture), the standard library's wrappers."""
+
+
+def _failed_in_model_code(error: Exception) -> str | None:
+    """Where the innermost frame of ``error`` that is not one it only passed through is in a model's own modeling
+    code (``transformers/models/...``, or a remote code module's ``modeling_*.py``), a line for the user saying so:
+    that code's file and line, and how to tell transformers' failure from headlab's; None for anything else (an
+    error raised in headlab's code, a hook of headlab's inside the forward included, stays an internal error)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not any(p in f.filename for p in _PASSED_THROUGH)]
+    if not frames:
+        return None
+    last = frames[-1]
+    path = last.filename.replace(os.sep, "/")
+    if "/transformers/models/" not in path and not os.path.basename(path).startswith("modeling_"):
+        return None
+    shown = path[path.index("transformers/models/"):] if "transformers/models/" in path else path
+    code = f": `{last.line.strip()}`" if last.line else ""
+    return (f"the model's own code failed ({type(error).__name__}: {str(error).strip().splitlines()[0]}) at "
+            f"{shown}, line {last.lineno}, in {last.name}{code}. headlab ran the model as transformers does; if it "
+            "fails so on its own too (the same inputs, dtype and device), the failure is the model code's (another "
+            "--dtype may avoid it); if not, it is a bug in headlab: rerun with --debug and report the traceback")
 
 
 def _kept_after_failure(args) -> str:

@@ -725,6 +725,12 @@ class StackBiasHook:
     seen) made 0 or -1e10 and moved to the heads' axis, here with the kept heads' columns only (the stack hands on
     the first layer's sum, mask included).
 
+    ``transient_global``: the same for a pruned layer of LongT5's transient-global encoder, whose forward (transformers
+    5.24, LongT5TransientGlobalAttention, called with the 2-d attention mask) builds after that local bias the side
+    keys' (``compute_side_bias``: ``global_relative_attention_bias`` by each token's distance to each global block,
+    -1e10 where the block is not one of the row's), split into the token blocks and concatenated:
+    ``[batch, blocks, heads, block_len, 3 * block_len + global blocks]``, here the kept heads' columns of both tables.
+
     The bias is computed where the table is and handed to each layer on that layer's device (its hidden states'): a
     device_map may put the first layer and a later one apart, and an offloaded table is loaded for the computation
     (:func:`_table_loaded`). (transformers' T5 hands the first layer's bias on, and accelerate's hooks move it.)
@@ -733,12 +739,15 @@ class StackBiasHook:
     keep reading the original's: an averaged or fine-tuned copy computed with another table, silently), and the
     model pickles (``torch.save``)."""
 
-    def __init__(self, source: nn.Module, attr: str = KEPT_ATTR, local: bool = False) -> None:
+    def __init__(self, source: nn.Module, attr: str = KEPT_ATTR, local: bool = False,
+                 transient_global: bool = False) -> None:
         # in __dict__, not registered: the table's layer is a module of the model already (or, emptied, its
         # stand-in's children are that layer's)
-        self.source, self.attr, self.local = source, attr, local
+        self.source, self.attr, self.local, self.transient_global = source, attr, local, transient_global
 
     def __call__(self, module, args, kwargs):
+        if getattr(self, "transient_global", False):  # (a hook pickled before it had the attribute: not one)
+            return self._transient_global(module, args, kwargs)
         return (self._local if self.local else self._t5)(module, args, kwargs)
 
     def _t5(self, module, args, kwargs):
@@ -769,20 +778,50 @@ class StackBiasHook:
         mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
         if mask is not None:
             bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
-        if len(args) > 2:  # position_bias passed by position (LongT5LayerLocalSelfAttention passes it by keyword)
-            args = (*args[:2], bias, *args[3:])
-        else:
-            kwargs["position_bias"] = bias
-        return args, kwargs
+        return _position_bias_handed(args, kwargs, bias)
+
+    def _transient_global(self, module, args, kwargs):
+        from transformers.models.longt5 import modeling_longt5 as longt5
+
+        kept = getattr(module, self.attr)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+        source = self.source
+        with _table_loaded(source):  # on the table's device (compute_bias's own choice), then the layer's
+            bias = source.compute_bias(module.block_len)[:, :, kept].to(hidden.device)
+        with _table_loaded(source, "global_relative_attention_bias"):  # its kept columns, on the layer's device
+            columns = source.global_relative_attention_bias.weight[:, kept].to(hidden.device)
+        if mask is not None:
+            local = longt5._get_local_attention_mask(mask, module.block_len, hidden.device)
+            bias = bias + torch.where(local > 0, 0.0, -1e10).transpose(1, 2)
+        # compute_side_bias on the layer's device (the mask's): the kept columns looked up by its buckets
+        real = mask if mask is not None else torch.ones(hidden.shape[:2], device=hidden.device)
+        _, segments = longt5._make_global_fixed_block_ids(real, module.global_block_size)
+        buckets = source._relative_position_bucket(
+            longt5._make_side_relative_position_ids(real, module.global_block_size), bidirectional=not source.is_decoder,
+            num_buckets=source.relative_attention_num_buckets, max_distance=source.relative_attention_max_distance)
+        seen = torch.eq(real[..., None], segments[:, None, :])[:, None, ...]  # [batch, 1, seq, global blocks]
+        side = torch.where(seen > 0, 0.0, -1e10) + columns[buckets].permute(0, 3, 1, 2)
+        side = longt5._split_into_blocks(side, module.block_len, dim=-2).transpose(1, 2)
+        return _position_bias_handed(args, kwargs, torch.cat([bias.type(hidden.dtype), side.type(hidden.dtype)], -1))
+
+
+def _position_bias_handed(args: tuple, kwargs: dict, bias: torch.Tensor) -> tuple[tuple, dict]:
+    """A LongT5 encoder attention's arguments with ``bias`` as its position_bias (its third argument)."""
+    if len(args) > 2:  # position_bias passed by position (LongT5's layers pass it by keyword)
+        args = (*args[:2], bias, *args[3:])
+    else:
+        kwargs["position_bias"] = bias
+    return args, kwargs
 
 
 @contextlib.contextmanager
-def _table_loaded(source: nn.Module):
+def _table_loaded(source: nn.Module, name: str = "relative_attention_bias"):
     """The device of ``source``'s position bias table, its weight there for the time of the context. A device_map
     may put the table's layer on another device than a layer handed its bias; accelerate's offloading (a device_map's
     "cpu" or "disk" beside a GPU) keeps the weight on the meta device outside its module's forward, and loads it in
     (``align_module_device``: what the module's hook does around its forward) only when asked."""
-    table = source.relative_attention_bias
+    table = getattr(source, name)
     if getattr(getattr(table, "_hf_hook", None), "offload", False):  # accelerate's: only where it dispatched the model
         from accelerate.utils import align_module_device
 
@@ -831,7 +870,12 @@ class ValueEmbedsHook:
         return args, {**kwargs, "value_embeds": narrowed}
 
 
-STACK_BIAS_HOOKS = {"t5": t5_bias_hook, "local": local_bias_hook}
+def transient_global_bias_hook(source: nn.Module, attr: str = KEPT_ATTR) -> StackBiasHook:
+    """:class:`StackBiasHook` for a layer of LongT5's transient-global encoder."""
+    return StackBiasHook(source, attr, transient_global=True)
+
+
+STACK_BIAS_HOOKS = {"t5": t5_bias_hook, "local": local_bias_hook, "transient-global": transient_global_bias_hook}
 """The plan's ``shared_bias`` kinds (headlab's ``Family.shared_bias``): the hook a pruned layer of such a stack gets."""
 
 

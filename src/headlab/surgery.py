@@ -81,6 +81,7 @@ from headlab.portable_code import (
     record_kept_blocks,
     selection_hook,
     t5_bias_hook,
+    transient_global_bias_hook,
 )
 from headlab.portable_code import save_adapter as _save_adapter
 from headlab.stored_weights import HINT, describe, stored_elsewhere, stored_elsewhere_modules
@@ -413,7 +414,7 @@ def _whole_width_norms(block: AttentionBlock) -> tuple[dict[str, str], list[str]
     widths = {"q": block.n_heads * block.d_qk, "k": block.n_kv_heads * block.d_qk}
     separate = block.q is not None and block.k is not None and not block.family.query_gate
     for name, module in children.items():
-        if id(module) in projections or name in block.family.output_norms:
+        if id(module) in projections or name in block.family.output_norms or name in block.family.input_readers:
             continue
         selected = getattr(module, SELECTED_ATTR, None)
         if selected:  # pruned before: whole, its heads selected
@@ -823,8 +824,8 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
     hands it to the others, which breaks once layers keep different heads. In a pruned stack
     each layer instead gets the full bias recomputed from the first layer's table, sliced to
     the heads it kept (cross-attention has no position bias: zeros). LongT5's local encoder
-    (``shared_bias == "local"``) hands on its blocked bias with the mask folded in: each layer
-    gets the same sum, sliced."""
+    (``shared_bias == "local"``) hands on its blocked bias with the mask folded in, its transient-global
+    encoder (``"transient-global"``) that bias and the side keys' after it: each layer gets the same, sliced."""
     stacks = {"enc_self": "encoder", "dec_self": "decoder", "dec_cross": "decoder"}
     blocks = [b for b in blocks if b.family.shared_bias]
     names = {id(module): name for name, module in model.named_modules()}
@@ -840,9 +841,9 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
                 journal.set(core, KEPT_ATTR, list(range(block.n_heads)))
                 journal.set(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
                 journal.set(core, ORIGINAL_ATTR, block.n_heads)
-            local = block.family.shared_bias == "local"
-            journal.hooks.append(core.register_forward_pre_hook(
-                (_local_bias_hook if local else _t5_bias_hook)(source), with_kwargs=True))
+            hook = {"local": _local_bias_hook, "transient-global": _transient_global_bias_hook}.get(
+                block.family.shared_bias, _t5_bias_hook)
+            journal.hooks.append(core.register_forward_pre_hook(hook(source), with_kwargs=True))
             journal.set(core, "_headlab_t5_hooked", True)
             # what pruning_plan writes for pruned_heads.py: the table's layer, by path, and the bias's kind
             journal.set(core, T5_SOURCE_ATTR, (names[id(source)], block.family.shared_bias))
@@ -850,6 +851,7 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
 
 # the hooks are pruned_heads.py's (headlab.portable_code), so that plain transformers loads the same computation
 _local_bias_hook = local_bias_hook
+_transient_global_bias_hook = transient_global_bias_hook
 _t5_bias_hook = t5_bias_hook
 
 

@@ -177,13 +177,17 @@ class Family:
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
     (LongT5's local attention: ``compute_bias(block_len)``, ``[1, 1, heads, block_len, 3 * block_len]``, the mask
-    folded in); '' where none is handed on. A pruned stack gets each layer's own, sliced to the heads it kept
-    (:func:`headlab.surgery.prune_heads`; the table stays whole), and pruned_heads.py does the same on a plain
-    transformers load (the plan's ``shared_bias``: :func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``)."""
+    folded in), ``"transient-global"`` (LongT5's transient-global attention: that local bias with the mask folded in,
+    then the side keys' bias from ``global_relative_attention_bias`` with their mask, ``[batch, blocks, heads,
+    block_len, 3 * block_len + global blocks]``); '' where none is handed on. A pruned stack gets each layer's own,
+    sliced to the heads it kept (:func:`headlab.surgery.prune_heads`; the tables stay whole), and pruned_heads.py does
+    the same on a plain transformers load (the plan's ``shared_bias``: :data:`headlab.portable_code.STACK_BIAS_HOOKS`)."""
     input_readers: tuple[str, ...] = ()
     """Children of ``core`` that read the layer's input only, never a head's rows, and whose output no head's output
     reaches (Qwen4-Exp's QSA indexer ``indexer``: a key selection from its own projection of the layer's input, folded
-    into the mask before the attention function): pruning leaves them whole, whatever their widths."""
+    into the mask before the attention function; LongT5 transient-global's ``global_input_layer_norm``, over the sum of
+    each global block's input states, of the model's width, before the layer's k and v): pruning leaves them whole,
+    whatever their widths, and takes none for a norm over a projection's heads."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -836,11 +840,15 @@ def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any
     window's columns put in place give every real query's whole row. A padded query's (every key masked) is uniform
     over its window, part of it in the padding: its row here, cut to the n tokens, does not sum to one. The softmax
     is float32 whatever the model's dtype (``softmax(scores.float())``)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return _windows_in_place(output[2], int(hidden.shape[1]))
+
+
+def _windows_in_place(blocked: Any, n: int) -> Any:
+    """The dense ``[batch, heads, n, n]`` map of LongT5's blocked local probabilities ``[batch, blocks, heads,
+    block_len, 3 * block_len]`` (:func:`longt5_local_probs`)."""
     import torch
 
-    blocked = output[2]
-    hidden = args[0] if args else kwargs["hidden_states"]
-    n = int(hidden.shape[1])
     batch, blocks, heads, block_len, width = blocked.shape
     rows = blocked.permute(0, 2, 1, 3, 4).reshape(batch, heads, blocks * block_len, width)[:, :, :n]
     positions = torch.arange(n, device=blocked.device)
@@ -848,6 +856,19 @@ def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any
     inside = (column >= 0) & (column < width)
     dense = rows.gather(-1, column.clamp(0, width - 1).expand(batch, heads, n, n))
     return torch.where(inside, dense, torch.zeros((), dtype=blocked.dtype, device=blocked.device))
+
+
+def longt5_transient_global_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """LongT5's transient-global encoder map over the tokens from ``LongT5TransientGlobalAttention``'s output
+    (transformers 5.24, its forward read): ``output[2]`` is ``[batch, blocks, heads, block_len, 3 * block_len +
+    global_seq_len]``, one softmax per token over [its local window (three blocks of ``block_len``, as
+    LongT5LocalAttention's) | the side keys], a side key per global block of ``global_block_size`` tokens (through the
+    layer's k and v, of ``global_input_layer_norm`` of the sum of that block's states). The window's columns are put in
+    place as :func:`longt5_local_probs` does; the side keys are not tokens: their share is left out, as a sink's is,
+    so a real token's row sums to one less its mass on them."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    blocked = output[2]
+    return _windows_in_place(blocked[..., :3 * blocked.shape[3]], int(hidden.shape[1]))
 
 
 # LongT5 (LongT5ForConditionalGeneration, LongT5EncoderModel; transformers 5.24, models/longt5) with
@@ -858,8 +879,29 @@ def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any
 # Its first layer computes the relative position bias (compute_bias(block_len)) and adds the mask to it; the stack
 # hands that sum to the others. Its forward views the heads with n_heads and merges them with inner_dim (kept in step
 # by pruning). The decoder is T5's (LongT5Attention through the attention interface, its bias shared as T5's): a part.
-# "transient-global" is refused by UNSUPPORTED_CONFIGS.
+# With encoder_attention_type="transient-global" (google/long-t5-tglobal-*; session 41, branch ltg) the encoder's
+# encoder.block.N.layer.0.TransientGlobalSelfAttention is LongT5TransientGlobalAttention (a part): the local attention's
+# layout and arguments, each token attending over [its local window | one side key per global block of
+# global_block_size tokens]; the side keys and values are the layer's own k and v of global_input_layer_norm(the sum of
+# the block's input states, a token at the end of no full block counted in the block before), side scores biased by
+# global_relative_attention_bias and masked to the row's real global blocks (0 or -1e10). The first layer hands on the
+# whole [local | side] bias, mask folded in, [batch, blocks, heads, block_len, 3 * block_len + global blocks]
+# (shared_bias "transient-global": a pruned stack recomputes it from the first layer's two tables, kept whole, sliced to
+# each layer's heads). Masking and pruning at o's input remove a head from the tokens' and the side keys' values alike
+# (o runs once); longt5_transient_global_probs leaves the side keys' share out. LRP: q and k detached hold both scores
+# constant; a side value is v of an RMS norm (its factor held constant) of a sum of the layer's input states, so
+# relevance reaches the tokens through linear maps, exactly.
 LONGT5_DECODER = replace(T5, name="longt5-decoder", patterns=T5.patterns[1:])
+LONGT5_TRANSIENT_GLOBAL = replace(
+    T5,
+    name="longt5-transient-global",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.block\.(\d+)\.layer\.0\.TransientGlobalSelfAttention$"),),
+    probs_argument=("output_attentions", 3),
+    probs_reader=longt5_transient_global_probs,
+    width_attrs=("inner_dim",),
+    shared_bias="transient-global",
+    input_readers=("global_input_layer_norm",),
+)
 LONGT5 = replace(
     T5,
     name="longt5",
@@ -868,7 +910,7 @@ LONGT5 = replace(
     probs_reader=longt5_local_probs,
     width_attrs=("inner_dim",),
     shared_bias="local",
-    parts=(LONGT5_DECODER,),
+    parts=(LONGT5_DECODER, LONGT5_TRANSIENT_GLOBAL),
 )
 
 LLAMA_LIKE = Family(
@@ -2111,25 +2153,29 @@ def _dory(config: Any) -> str | None:
             "LRP has no rule; its LM head scales each token's logit (logit_scale): headlab has checked none of these "
             "(the norm over the heads' outputs before o_proj, attn_sub_norm, would be exact: headlab.adapters."
             "families.SUB_NORMS)")
-def _longt5_transient_global(config: Any) -> str | None:
-    # read in transformers 5.24 (models/longt5): LongT5TransientGlobalAttention concatenates, after each block's
-    # 3 * block_len local keys, one side key per global block of global_block_size tokens, the sum of their layer-
-    # normed states (_create_global_aggregates), with its own position bias (global_relative_attention_bias)
-    if getattr(config, "encoder_attention_type", "local") == "local":
-        return None
-    return (f"LongT5 with encoder_attention_type={config.encoder_attention_type!r}: its encoder's attention "
-            "(LongT5TransientGlobalAttention) attends over each token's local window and over side keys that are "
-            f"aggregates of blocks of global_block_size={getattr(config, 'global_block_size', '?')} tokens, not "
-            "tokens, so a head's attention is not a [query, key] map over the input's tokens (its rows over the "
-            "tokens do not sum to one), and an analysis would cover the decoder only; LongT5 with local attention "
-            "(encoder_attention_type='local') is supported")
+def _nllb_moe_routing(config: Any) -> str | None:
+    # read in transformers 5.24 (models/nllb_moe, NllbMoeTop2Router.route_tokens): in evaluation mode an expert takes
+    # at most ceil(moe_eval_capacity_token_fraction x the batch's tokens), counted over the whole flattened batch, the
+    # rest of its tokens dropped; second_expert_policy "sampling" adds Gumbel noise to the logits, "random" drops
+    # second experts at random, in evaluation mode too
+    policy = getattr(config, "second_expert_policy", "all")
+    if policy in ("sampling", "random"):
+        return (f"NLLB-MoE with second_expert_policy={policy!r} routes tokens to their second expert at random, in "
+                "evaluation mode too, so every run of the same sentence computes another model; "
+                "second_expert_policy='all' (the default) is supported")
+    fraction = getattr(config, "moe_eval_capacity_token_fraction", 1.0)
+    if isinstance(fraction, (int, float)) and 0 < fraction < 1:
+        return (f"NLLB-MoE with moe_eval_capacity_token_fraction={fraction} drops, in evaluation mode, the tokens "
+                "beyond an expert's capacity, a fraction of all the batch's tokens counted over the whole batch, so "
+                "a sentence's routing depends on the sentences batched with it (a right-padded tiny model's logits "
+                "moved by 3e-3); with 1.0 (the default) no token is dropped and it is supported")
+    return None
 
 
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
                                                                "led": _longformer_windows, "mvp": _mvp_prompts,
-                                                               "dory": _dory,
-                                                               "longt5": _longt5_transient_global,
+                                                               "dory": _dory, "nllb-moe": _nllb_moe_routing,
                                                                "xlnet": _xlnet}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

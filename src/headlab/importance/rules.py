@@ -320,12 +320,32 @@ def _rms_norm_rule(module: nn.Module, args, output):
 
 def _is_rms_norm(module: nn.Module) -> bool:
     """RMS norms by class: torch's, transformers' ``...RMSNorm``, the T5 family's ``...T5LayerNorm`` and Llama 4's
-    query/key ``Llama4TextL2Norm`` (``x * rsqrt(mean(x^2) + eps)``, no weight: RMS norms under other names);
-    :func:`_rms_norm_rule` checks the formula on every call."""
+    query/key ``Llama4TextL2Norm`` (``x * rsqrt(mean(x^2) + eps)``, no weight: RMS norms under other names), and a
+    ``...LayerNorm`` that a probe shows to be one (:func:`_probes_as_rms_norm`); :func:`_rms_norm_rule` checks the
+    formula on every call."""
     name = type(module).__name__
     if next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None:
         return False  # a module around other modules (a gated norm, _is_gated_norm): judged by what it holds
-    return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm", "TextL2Norm"))
+    return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm", "TextL2Norm")) \
+        or _probes_as_rms_norm(module)
+
+
+def _probes_as_rms_norm(module: nn.Module) -> bool:
+    """T5's RMS norm copied under a ``...LayerNorm`` name (transformers 5.24: Switch Transformers', Pop2Piano's,
+    Pix2Struct's, UDOP's ``x * rsqrt(mean(x^2) + eps)`` times ``weight``, no mean subtracted, no bias): a weight of
+    its own and nothing else, and, on a probe, that formula. Switch Transformers' LRP was refused ("no rule for the
+    normalisation module SwitchTransformersLayerNorm") until session 41."""
+    if not type(module).__name__.endswith("LayerNorm") or _own_parameters(module) != {"weight"}:
+        return False
+    probe = _probe(module)
+    if probe is None:
+        return False  # the meta device: the layer-norm rule's own check on every call decides
+    x, output = probe
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    weight = cast(torch.Tensor, module.weight)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+    return isinstance(output, torch.Tensor) and output.shape == expected.shape \
+        and torch.allclose(output.to(x.dtype), expected, rtol=1e-3, atol=1e-5)
 
 
 _NORMED_SUBLAYERS = frozenset({"ConvDropoutLayerNorm"})
@@ -679,7 +699,8 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
                 "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE), DBRX's (w1, v1, w2), Nemotron-H's non-gated ones "
-                "(up_proj, down_proj) and Inkling's shared experts (gate_proj, up_proj, down_proj, scaled by gammas)")
+                "(up_proj, down_proj), Inkling's shared experts (gate_proj, up_proj, down_proj, scaled by gammas) and "
+                "Switch Transformers' and NLLB-MoE's experts held as modules")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
@@ -1599,10 +1620,45 @@ def _post_expert_norm(module: nn.Module) -> nn.Module | None:
     return norm if isinstance(norm, nn.Module) and _is_rms_norm(norm) else None
 
 
+MODULE_EXPERTS = {"SwitchTransformersExperts": 2, "NllbMoeExperts": 2}
+"""Experts held as child modules (an ``nn.ModuleDict`` of MLPs, read in transformers 5.24) -> the position of the
+routing weights among their forward's arguments (Switch Transformers' ``routing_weights``, NLLB-MoE's
+``router_probs``): the output is ``sum_k w_k E_k(x)`` over each token's routed experts (``index_add``; NLLB-MoE's
+times the constant ``1 - moe_token_dropout`` in evaluation mode), each expert an MLP with rules of its own
+(``wi``/``fc1``, the activation, ``wo``/``fc2``). The routing weights held constant (:func:`_detach_routing_weights`),
+as the attention weights are, it is a weighted sum of the experts' outputs. Before session 41, refused; experts with
+biases (NLLB-MoE's) still are (:func:`_module_experts_problem`)."""
+
+
+def _module_experts_problem(module: nn.Module) -> str | None:
+    """Why :data:`MODULE_EXPERTS`' rule does not fit ``module`` (None: it does): its experts must be child modules
+    and its own parameters none."""
+    if next(module.parameters(recurse=False), None) is not None or not len(list(module.children())):
+        return "its experts are not child modules without parameters of its own beside them"
+    biased = sorted({name.rpartition(".")[0].rpartition(".")[2] for name, p in module.named_parameters()
+                     if name.endswith("bias") and p is not None})
+    if biased:  # NLLB-MoE's fc1 and fc2
+        return (f"its experts' biases ({', '.join(biased)}) apply to the tokens routed to each expert only, a subset "
+                "of the batch's rows, where headlab's bias probes measure a bias's share per token of the batch "
+                "(Switch Transformers' experts, without biases, are explained)")
+    return None
+
+
+def _detach_routing_weights(module, args, kwargs):
+    """:data:`MODULE_EXPERTS`' routing weights held constant (positional, as their layer passes them)."""
+    position = MODULE_EXPERTS[type(module).__name__]
+    if len(args) <= position or not isinstance(args[position], torch.Tensor):
+        raise HeadlabError(f"LRP: {type(module).__name__} is not called with its routing weights as argument "
+                           f"{position + 1}; headlab has no LRP rule for it")
+    return (*args[:position], args[position].detach(), *args[position + 1:]), kwargs
+
+
 def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> str | None:
     """Why headlab has no rule for a mixture-of-experts module (None: it has one): :func:`_experts_layout`, and
     experts called on the hidden states alone need a ``router`` beside them (in ``parent``) to hold constant;
     non-gated experts (Nemotron-H): :func:`_non_gated_problem`."""
+    if type(module).__name__ in MODULE_EXPERTS:
+        return _module_experts_problem(module)
     if _is_non_gated(module):
         return _non_gated_problem(module)
     if (experts := mixer_rules.experts_rule_for(module)) is not None:  # Inkling's shared experts
@@ -2283,7 +2339,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             _register_altup(text, handles)
         _register_adapted(model, handles)
         for path, module in model.named_modules():
-            if _is_experts(module):
+            if type(module).__name__ in MODULE_EXPERTS:  # each expert a module with rules of its own
+                handles.append(module.register_forward_pre_hook(_detach_routing_weights, with_kwargs=True))
+            elif _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
                 if _dense_experts(module) and (router := _router(_parent(model, path))) is not None:
                     # Llama 4: the router's scores scale the experts' input, constants as routing weights are
