@@ -10,12 +10,17 @@ from every stream. The next-token logits come from the first predicting stream (
 
 transformers' ProphetNet gives NaN in float64 on an integer padding mask (``1.0 - mask``, float32, times
 ``finfo(float64).min``, which overflows to -inf: 0 x -inf at every unmasked key): headlab's blocks hand a float64
-ProphetNet its masks as float64 (headlab.adapters.prophetnet). On a tiny ProphetNet in float64 with a padded batch
-(pad id 0, as the released checkpoints': transformers' cached generation checks positions that hold only then):
-capture equals the module's probabilities bit for bit, masking equals zeroing the head's values
-by hand in every stream, gates at one change nothing, pruning encoder and cross-attention heads (a layer emptied too)
-equals masking (padded batch, cached generation) and reloads (load_pruned, plain transformers), ``headlab analyze
---ablation`` runs end to end; pruning the decoder self-attention and LRP are refused before any work, naming why.
+ProphetNet its masks as float64 (headlab.adapters.prophetnet). Its predicting streams' relative-position scores are not
+their own (position, stream, head)'s (get_predict_relative_pos_embeddings' order follows the length and the head
+count): a padded target batch is refused before the decoder runs, and so is pruning the decoder self-attention.
+
+On a tiny ProphetNet in float64 with a padded source batch (pad id 0, as the released checkpoints': transformers'
+cached generation checks positions that hold only then): capture equals the module's probabilities bit for bit,
+masking equals zeroing the head's values by hand in every stream, gates at one change nothing (a Hard Concrete gate
+drawn once per call for every stream), pruning encoder and cross-attention heads (a layer emptied too) equals masking
+(padded batch, cached generation) and reloads (load_pruned, plain transformers), LRP conserves to 1e-10 (pruned too),
+``headlab analyze --ablation --batch-size 1`` runs every stage (the encoder-decoder and ProphetNetForCausalLM). Every
+test here fails on main, where attention_blocks refused the model (UNSUPPORTED["prophetnet"]).
 """
 
 from __future__ import annotations
