@@ -186,7 +186,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                                               bias_max_distance=16, feature_layer=-1)),
     "prophetnet": dict(num_hidden_layers=UNSET, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
                        num_decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_buckets=8,
-                       relative_max_distance=16),
+                       # pad id 0, as the released checkpoints': transformers' cached generation checks positions
+                       # that hold only then (session 41)
+                       relative_max_distance=16, pad_token_id=0),
     **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "layer_types": HYBRID}) for t in ("qwen3_5", "qwen3_5_moe")},
     "qwen4_exp": dict(text_config={**SIZES, **EXTRA_SIZES, **QWEN4}),
     "qwen4_exp_text": QWEN4,
@@ -568,7 +570,8 @@ def matrix_types() -> set[str]:
     # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
-    types |= {"mvp", "prophetnet"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"mvp"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"prophetnet"}  # tests/test_prophetnet.py (session 41; refused from session 31)
     types |= {"pegasus_x"}  # tests/test_pegasus_x.py (session 40)
     types |= {"longt5"}  # tests/test_longt5.py (session 32)
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
@@ -785,6 +788,15 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
             return {"enc_self": big_bird_maps(model, inputs), "dec_self": out.decoder_attentions,
                     "dec_cross": out.cross_attentions}, set()
         return {"any": big_bird_maps(model, inputs)}, set()
+    if model.config.model_type == "prophetnet" and getattr(model.config, "is_encoder_decoder", False):
+        # ProphetNetAttention hands out its masked scores (before its softmax) as encoder_attentions and
+        # cross_attentions, the latter a row per query of every stream [main | ngram predicting]; decoder_attentions
+        # are the main stream's probabilities (transformers 5.24): the maps are the main stream's (session 41)
+        streams = 1 + model.config.ngram
+        return {"enc_self": tuple(torch.softmax(a, dim=-1) for a in out.encoder_attentions),
+                "dec_self": out.decoder_attentions,
+                "dec_cross": tuple(torch.softmax(a, dim=-1)[:, :, :a.shape[2] // streams] for a in out.cross_attentions)
+                }, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
                 "dec_cross": out.cross_attentions}, set()

@@ -1,7 +1,7 @@
-"""MVP (RUCAIBox/mvp, BART with optional layer-wise prompts) as a table family; ProphetNet refused before any work,
-naming what headlab cannot read exactly (session 31, fam31b; before, all three were refused by discovery with its
-generic reason: no attention interface, no table). PEGASUS-X, refused here from session 31, is a table family since
-session 40: tests/test_pegasus_x.py.
+"""MVP (RUCAIBox/mvp, BART with optional layer-wise prompts) as a table family (session 31, fam31b; before, refused by
+discovery with its generic reason: no attention interface, no table). ProphetNet, refused here from session 31, is a
+table family since session 41 (tests/test_prophetnet.py); PEGASUS-X, refused here from session 31, since session 40
+(tests/test_pegasus_x.py).
 
 MVP without prompts is BART with BART's old attention (``MvpAttention``, outside the attention interface: its
 probabilities only with ``output_attentions``), which merges the heads to the hidden states' width: a pruned layer takes
@@ -127,24 +127,6 @@ def test_mvp_pruned_forward_refuses_a_prompt():
     hidden = torch.zeros(1, 3, 32, dtype=torch.float64)
     with pytest.raises(ValueError, match="cannot be pruned"):
         attention(hidden, attn_prompt=torch.zeros(2, 4, 3, 8, dtype=torch.float64))
-
-
-# -- ProphetNet: refused before any work, naming why --------------------------------------------------
-
-def _prophetnet() -> torch.nn.Module:
-    return tf.ProphetNetForConditionalGeneration(tf.ProphetNetConfig(
-        vocab_size=99, hidden_size=32, encoder_ffn_dim=37, decoder_ffn_dim=37, num_encoder_layers=2,
-        num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
-        max_position_embeddings=64, ngram=2, num_buckets=8, relative_max_distance=16, pad_token_id=PAD,
-        bos_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
-
-
-@pytest.mark.parametrize(("build", "words"), [
-    (_prophetnet, ("predicting streams", "2 x length keys", "relative-position"))], ids=["prophetnet"])
-def test_refused_before_any_work_naming_why(build, words, tmp_path, capsys):
-    """attention_blocks and the command line refuse them once, with the family's reason (before: discovery's
-    generic "found no attention block" / "did not call transformers' attention interface")."""
-    _check_refused(build(), words, tmp_path / "model", capsys)
 
 
 def test_mvp_analyze_end_to_end(tmp_path, capsys):

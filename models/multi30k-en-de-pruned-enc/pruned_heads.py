@@ -362,12 +362,61 @@ def _pegasus_x_forward(self, token_hidden_states, global_hidden_states, attentio
     return local_attn_output, global_attn_output, {"global": global_attn_probs, "local": local_attn_probs}
 
 
+def _prophetnet_attention_forward(self, hidden_states, key_value_states=None, attention_mask=None, cache=None,
+                                  output_attentions=False, **kwargs):
+    """ProphetNet's ``ProphetNetAttention.forward`` (transformers 5.24, modeling_prophetnet) line for line (its checks of
+    shapes left out), but that it merges ``num_attn_heads * head_dim`` (the kept heads) where the original reshapes to
+    the hidden states' width, and adds the padding mask, ``[batch, config's heads, 1, keys]`` with every head's row the
+    same (the encoder and decoder repeat one over the config's head count), as its first head's row, broadcast over
+    the kept heads."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    batch_size, tgt_len, _ = hidden_states.size()
+    is_cross_attention = key_value_states is not None
+    query_states = self.query_proj(hidden_states) / (self.head_dim**0.5)
+    is_updated, curr_cache = False, None
+    if cache is not None:
+        if isinstance(cache, EncoderDecoderCache):
+            is_updated = cache.is_updated.get(self.layer_idx)
+            curr_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
+        else:
+            curr_cache = cache
+    current_states = key_value_states if is_cross_attention else hidden_states
+    if is_cross_attention and cache is not None and is_updated:
+        key_states = curr_cache.layers[self.layer_idx].keys
+        value_states = curr_cache.layers[self.layer_idx].values
+    else:
+        key_states = self.key_proj(current_states).view(batch_size, -1, self.num_attn_heads, self.head_dim)
+        value_states = self.value_proj(current_states).view(batch_size, -1, self.num_attn_heads, self.head_dim)
+        key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        if cache is not None:
+            key_states, value_states = curr_cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if is_cross_attention and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
+    query_states = query_states.view(batch_size, tgt_len, self.num_attn_heads, self.head_dim).transpose(1, 2)
+    attn_weights = torch.einsum("bsij,bsjk->bsik", query_states, key_states.transpose(2, 3))
+    if attention_mask is not None and attention_mask.dim() == 0:
+        attention_mask = None
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask[:, :1]
+    attn_weights_reshaped = attn_weights if output_attentions else None
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_probs = nn.functional.dropout(attn_weights, p=self.attention_dropout, training=self.training)
+    attn_output = torch.einsum("bsij,bsjk->bsik", attn_probs, value_states)
+    attn_output = attn_output.transpose(1, 2).reshape(batch_size, tgt_len, self.num_attn_heads * self.head_dim)
+    attn_output = self.out_proj(attn_output)
+    attn_output = nn.functional.dropout(attn_output, p=self.dropout, training=self.training)
+    return attn_output, attn_weights_reshaped
+
+
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
                    "longformer": _longformer_forward, "mvp": _mvp_forward,
-                   "pegasus-x": _pegasus_x_forward}
+                   "pegasus-x": _pegasus_x_forward, "prophetnet-attention": _prophetnet_attention_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
-TrOCR's, LED's decoder's, Longformer's, MVP's and PEGASUS-X's encoder's merge the heads into the hidden states'
-width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+TrOCR's, LED's decoder's, Longformer's, MVP's, PEGASUS-X's encoder's and ProphetNet's merge the heads into the hidden
+states' width; ProphetNet's encoder and cross attention also check masks built for the config's heads): the plan's
+``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

@@ -747,6 +747,10 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
         if grouped(module):  # DeepSeek-V4's o_a_proj: [batch, pos, groups, heads / groups x d], heads in order
             heads = x.reshape(*x.shape[:-2], block.n_heads, block.d_head)
             return fn(block, heads).reshape(x.shape)
+        if x.dim() > 3 and not block.family.time_first:
+            # streams stacked before the positions (ProphetNet's decoder: [batch, streams, pos, width]): fn sees every
+            # stream's positions as positions of the row, [batch, streams x pos, n_heads, d_head]
+            return fn(block, x.reshape(x.shape[0], -1, block.n_heads, block.d_head)).reshape(x.shape)
         heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
         if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
             return fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape)

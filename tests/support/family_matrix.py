@@ -697,9 +697,9 @@ def treebank_files(tmp_path) -> list[str]:
     return words
 
 
-def analyze(model_dir, tmp_path) -> tuple[int, dict]:
-    """``headlab analyze`` with every stage but the figures on the files of :func:`treebank_files`:
-    the exit code and the manifest's stages by name."""
+def analyze(model_dir, tmp_path, *extra: str) -> tuple[int, dict]:
+    """``headlab analyze`` with every stage but the figures on the files of :func:`treebank_files` (and the options
+    ``extra``): the exit code and the manifest's stages by name."""
     import json
 
     from headlab.cli import main
@@ -707,5 +707,5 @@ def analyze(model_dir, tmp_path) -> tuple[int, dict]:
     out = tmp_path / "out"
     code = main(["analyze", str(model_dir), "--source", str(tmp_path / "text.txt"), "--conllu",
                  str(tmp_path / "tb.conllu"), "--out", str(out), "--skip", "figures", "--no-progress",
-                 "--attention-sentences", "2", "--ablation"])
+                 "--attention-sentences", "2", "--ablation", *extra])
     return code, {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}

@@ -1818,6 +1818,13 @@ LEARNED_TOKENS: dict[str, str] = {"PegasusXEncoder": "embed_global"}
 beside them (PEGASUS-X's encoder: ``embed_global``, its global tokens): LRP counts the relevance that reaches them as
 a bias's (a constant of the model), so that conservation holds (:mod:`headlab.importance.lrp`)."""
 
+LEARNED_STREAMS: dict[str, str] = {"ProphetNetDecoderLayer": "self_attn.ngram"}
+"""Layers (by class) whose input holds, after the tokens' rows, streams of as many rows each that are no tokens
+(ProphetNet's decoder: its ``ngram`` predicting streams, each row a learned ``ngram_embeddings`` row plus a position's
+embedding), with the attribute (path from the layer) holding how many: where such a layer is a stack's first, LRP
+counts the relevance reaching those rows at the stack's cut as a bias's (a constant of the model), the tokens' rows as
+the input embeddings (:mod:`headlab.importance.lrp`)."""
+
 PEGASUS_X_DECODER = replace(BART_LIKE, name="pegasus-x-decoder", patterns=BART_LIKE.patterns[1:])
 PEGASUS_X = Family(
     name="pegasus-x",
@@ -1833,6 +1840,96 @@ PEGASUS_X = Family(
     output_calls=2,
     parts=(PEGASUS_X_DECODER,),
 )
+
+
+def prophetnet_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """ProphetNet's encoder self-attention and decoder cross-attention map (``ProphetNetAttention``, BART's old attention,
+    transformers 5.24, its forward read): asked for them (``output_attentions``), it returns its scores with the mask
+    added, before the softmax, not the probabilities; this is the same softmax of the same tensor its forward takes
+    (``nn.functional.softmax(attn_weights, dim=-1)``), so equal to its probabilities bit for bit. A cross-attention's
+    queries are the decoder's ``1 + ngram`` streams stacked ``[main | predicting 1 | ...]`` (``core.headlab_streams``,
+    set by :func:`headlab.adapters.prophetnet.install`): the rows of the main stream, the first ``1 / streams``, are
+    the map over the target tokens, as the decoder self-attention's map is the main stream's (:data:`PROPHETNET`)."""
+    import torch
+
+    from headlab.errors import HeadlabError
+
+    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    streams = getattr(core, "headlab_streams", None)
+    if not isinstance(weights, torch.Tensor) or weights.dim() != 4 or not isinstance(streams, int) or \
+            weights.shape[2] % streams:
+        raise HeadlabError(f"{type(core).__name__}: returned no attention scores [batch, heads, q, k] whose queries "
+                           "are its model's streams (headlab.adapters.attention_blocks marks how many)")
+    return torch.nn.functional.softmax(weights, dim=-1)[:, :, :weights.shape[2] // streams]
+
+
+def _prophetnet_install(model: Any) -> None:
+    from headlab.adapters.prophetnet import install  # torch: not at the command line's start-up
+
+    install(model)
+
+
+PROPHETNET_NGRAM_PRUNING_REFUSED = (
+    "transformers' ProphetNetNgramSelfAttention (get_predict_relative_pos_embeddings) gives the predicting streams' "
+    "query of head h, stream n, position t the relative-position scores projected for another (position, stream, "
+    "head) row, in an order that follows the layer's head count and the length (projections ordered [batch, "
+    "position, stream, head], buckets [stream, batch, head, position]), so a layer with fewer heads gives the heads "
+    "it keeps other scores than the masked layer does (2.7e-3 apart on a tiny model): no pruning of it is exact")
+# ProphetNet (ProphetNetForConditionalGeneration, microsoft/prophetnet-large-uncased*, transformers 5.24,
+# models/prophetnet; session 41, branch prophetnet; XLM-ProphetNet left transformers before 5.24). The encoder's
+# layers.N.self_attn and the decoder's layers.N.cross_attn are ProphetNetAttention (a part, :data:`PROPHETNET_ATTENTION`).
+# The decoder's layers.N.self_attn is ProphetNetNgramSelfAttention: the decoder runs its tokens as a main stream and
+# config.ngram predicting streams (ngram_embeddings + the next position's embedding, no token), stacked [main | pred 1
+# | ...] along the sequence, through one set of projections (query_proj, key_proj, value_proj, out_proj, viewed [..,
+# num_attn_heads, head_dim]); the main stream attends causally over its own tokens, predicting stream i over [the main
+# stream's tokens | its own stream] (2 x length keys), each adding relative-position scores projected from its hidden
+# states (relative_pos_embeddings). It returns (output, main stream's probabilities [batch, heads, q, k], predicting
+# streams' [batch, ngram, heads, q, 2q]) and runs out_proj twice, on the main stream's heads ([batch, 1, q, width])
+# and on the predicting streams' ([batch, ngram, q, width]): masking a head at out_proj's input removes it from every
+# stream (output_calls). The map analysed is the main stream's: one softmax per head over the target tokens, the
+# stream every layer's keys and values at the tokens come from. The next-token logits come from the first predicting
+# stream (ProphetNetForConditionalGeneration.forward: logits = lm_head(last_hidden_state_ngram)[:, 0]), whose query
+# at position t attends over [main stream's tokens 0..t | itself]: its map, and the other predicting streams' (which
+# reach logits_ngram only), are not analysed; importance measured by masking (ablation, gradients of gates) and LRP
+# (a head's relevance summed over out_proj's two runs) covers the whole head, every stream. headlab.adapters.prophetnet
+# (Family.install) hands a float64 model float64 masks and refuses padded target batches. Pruning: the encoder's and
+# the cross-attention's take PRUNED_FORWARDS["prophetnet-attention"]; the decoder self-attention's is refused
+# (PROPHETNET_NGRAM_PRUNING_REFUSED). LRP: the relative-position scores held constant
+# (headlab.importance.mixer_rules.prophetnet), the predicting streams' rows at the decoder's cut kept as constants
+# (LEARNED_STREAMS).
+PROPHETNET_ATTENTION = Family(
+    name="prophetnet-attention",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.cross_attn$")),
+    q="query_proj", k="key_proj", v="value_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_attn_heads",),
+    probs_argument=("output_attentions", 4),
+    probs_reader=prophetnet_probs,
+    pruned_forward="prophetnet-attention",
+)
+PROPHETNET = Family(
+    name="prophetnet",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),),
+    q="query_proj", k="key_proj", v="value_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_attn_heads",),
+    extra_outputs=1,
+    output_calls=2,
+    install=_prophetnet_install,
+    prune_refused=PROPHETNET_NGRAM_PRUNING_REFUSED,
+    parts=(PROPHETNET_ATTENTION,),
+)
+# ProphetNetForCausalLM (is_encoder_decoder False): the decoder alone, its cross_attn (add_cross_attention) attending
+# to encoder_hidden_states, which headlab never passes: idle
+PROPHETNET_DECODER = replace(PROPHETNET, name="prophetnet-decoder", parts=(),
+                             never_fed=(("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.cross_attn$"),))
+
+
+def prophetnet(config: Any) -> Family:
+    """ProphetNet's entry: the encoder-decoder's, or the decoder alone's (``ProphetNetForCausalLM`` sets
+    ``is_encoder_decoder`` False on its config)."""
+    return PROPHETNET if getattr(config, "is_encoder_decoder", True) else PROPHETNET_DECODER
 
 
 def merged_attention_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -1928,7 +2025,7 @@ columns constant as for the tabled family."""
 CONFIG_FAMILIES: dict[str, Callable[[Any], Family | None]] = {
                    "big_bird": big_bird, "bigbird_pegasus": bigbird_pegasus, "falcon": falcon,
                    "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
-                   "xlm": xlm, "flaubert": xlm, "luke": luke,
+                   "xlm": xlm, "flaubert": xlm, "luke": luke, "prophetnet": prophetnet,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
                    # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
@@ -1979,18 +2076,6 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
-    # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
-    # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
-    # logits computed from its hidden states (relative_pos_embeddings, num_buckets x heads rows)
-    "prophetnet": "ProphetNet's decoder self-attention (ProphetNetNgramSelfAttention) runs each layer's heads over a "
-                  "main stream and `ngram` predicting streams with one set of projections: a predicting stream's query "
-                  "attends over [the main stream's tokens | its own stream's], 2 x length keys, so a head has 1 + ngram "
-                  "maps, not one [query, key] map over the tokens, its output projection reads every stream's heads, "
-                  "and the relative-position logits come from a projection of the hidden states with a row per (bucket, "
-                  "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
-                  "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
-                  "without the decoder's self-attention would leave its heads out",
     # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
     # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
     # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias

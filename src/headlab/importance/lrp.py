@@ -39,7 +39,7 @@ happens to sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -50,7 +50,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from headlab.adapters import AttentionBlock, attention_blocks, is_linear
-from headlab.adapters.families import LEARNED_TOKENS
+from headlab.adapters.families import LEARNED_STREAMS, LEARNED_TOKENS
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, float32_mask_floor, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
@@ -219,8 +219,20 @@ def _stack_start(names: dict[str, nn.Module], path: str) -> str:
     return path
 
 
+def _learned_streams(module: nn.Module) -> int:
+    """How many streams of rows that are no tokens follow the tokens' rows in ``module``'s input
+    (:data:`~headlab.adapters.families.LEARNED_STREAMS`: ProphetNet's decoder's predicting streams); 0 elsewhere."""
+    path = LEARNED_STREAMS.get(type(module).__name__)
+    if path is None:
+        return 0
+    owner, _, name = path.rpartition(".")
+    count = getattr(module.get_submodule(owner) if owner else module, name)
+    return int(count)
+
+
 @contextmanager
-def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+def _embeddings(model: nn.Module, ones: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                ) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
     what transformers calls ``hidden_states[0]``: relevance reaching them has crossed every
     layer; position embeddings, embedding scales and norms are on their near side. Recorded by
@@ -228,7 +240,10 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     ``output_hidden_states``
     would leave transformers' recording hooks on the model). Gemma 3n's text model: the input of
     ``per_layer_model_projection`` instead, the input embeddings its AltUp streams and per-layer inputs are both
-    made from (:func:`headlab.importance.rules.altup_inputs`)."""
+    made from (:func:`headlab.importance.rules.altup_inputs`). A first layer whose input holds streams of rows that
+    are no tokens after the tokens' (:func:`_learned_streams`, ProphetNet's decoder): the tokens' rows are the cut,
+    the other rows times ``ones`` (a probe per row, :func:`_token_probe`), so that their relevance is kept as a
+    bias's."""
     found: list[torch.Tensor] = []
     names = dict(model.named_modules())
     firsts: dict[str, AttentionBlock] = {}
@@ -263,6 +278,16 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             x = x.transpose(0, 1)  # batch-first view, which the layer then reads through
             found.append(x)
             return (x.transpose(0, 1), *args[1:]), kwargs
+        streams = _learned_streams(module)
+        if streams and ones is not None and all(x is not seen for seen in found):
+            tokens = x.shape[1] // (1 + streams)  # [batch, (1 + streams) x tokens, d]: the tokens' rows first
+            learned = x[:, tokens:]
+            probe = ones(learned)
+            found.append(x[:, :tokens])
+            if probe is not None:
+                x = torch.cat([found[-1], learned * probe], dim=1)
+                return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+            return None
         if all(x is not seen for seen in found):
             found.append(x)
 
@@ -601,6 +626,8 @@ def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
             assert input_ids is not None  # a classifier's batch has them
             z = z[torch.arange(z.shape[0], device=z.device), _pooled_positions(model, input_ids)]
         z, logits = z[:, None, :], logits[:, None, :]  # [batch, 1, d], [batch, 1, classes]
+    if z.dim() == 4 and logits.dim() == 3:  # ProphetNet's LM head runs on its predicting streams, [batch, ngram,
+        z = z[:, 0]  # t_len, d]: its logits are the first stream's (the next token's), the others logits_ngram
     top = logits.detach().argmax(-1)  # [batch, t_len]
     assert output is not None  # head_relevance refuses a model without one first
     weight = _output_weight(model)  # [vocab, d]
@@ -725,8 +752,8 @@ def head_relevance(
     logit_layer = _embedding_head(model) or output_layer(model)  # its bias is added to the target itself
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
             _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, logit_layer) as probes, \
-            _embeddings(model) as embedded, _per_layer_embeddings(model) as per_layer, _lm_input(model) as seen, \
-            head_output_hooks(blocks, record):
+            _embeddings(model, _token_probe(probes, batch_rows)) as embedded, \
+            _per_layer_embeddings(model) as per_layer, _lm_input(model) as seen, head_output_hooks(blocks, record):
         with _KeptWide(_computed_in(model)):  # the forward only: the backward passes below are torch's own
             out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
                 else model(**batch.inputs)

@@ -1,0 +1,393 @@
+"""ProphetNet (microsoft/prophetnet-*, transformers 5.24 models/prophetnet) analysed and masked (session 41, branch
+prophetnet; refused before any work by ``adapters.families.UNSUPPORTED`` until then, tests/test_mvp_prophetnet_pegasus_x.py).
+
+Its encoder self-attention and decoder cross-attention are ``ProphetNetAttention`` (BART's old attention outside the
+attention interface, which returns its masked scores before the softmax when asked): capture reads their softmax. Its
+decoder self-attention (``ProphetNetNgramSelfAttention``) runs the target tokens as a main stream and ``ngram``
+predicting streams through one set of projections, and its output projection twice (main, then predicting streams):
+the map analysed is the main stream's (the decoder's cross-attention's rows likewise), and masking a head removes it
+from every stream. The next-token logits come from the first predicting stream (checked here), which masking reaches.
+
+transformers' ProphetNet gives NaN in float64 on an integer padding mask (``1.0 - mask``, float32, times
+``finfo(float64).min``, which overflows to -inf: 0 x -inf at every unmasked key): headlab's blocks hand a float64
+ProphetNet its masks as float64 (headlab.adapters.prophetnet). Its predicting streams' relative-position scores are not
+their own (position, stream, head)'s (get_predict_relative_pos_embeddings' order follows the length and the head
+count): a padded target batch is refused before the decoder runs, and so is pruning the decoder self-attention.
+
+On a tiny ProphetNet in float64 with a padded source batch (pad id 0, as the released checkpoints': transformers'
+cached generation checks positions that hold only then): capture equals the module's probabilities bit for bit,
+masking equals zeroing the head's values by hand in every stream, gates at one change nothing (a Hard Concrete gate
+drawn once per call for every stream), pruning encoder and cross-attention heads (a layer emptied too) equals masking
+(padded batch, cached generation) and reloads (load_pruned, plain transformers), LRP conserves to 1e-10 (pruned too),
+``headlab analyze --ablation --batch-size 1`` runs every stage (the encoder-decoder and ProphetNetForCausalLM). Every
+test here fails on main, where attention_blocks refused the model (UNSUPPORTED["prophetnet"]).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads
+
+PAD = 0
+KINDS = ("enc_self", "dec_self", "dec_cross")
+
+
+def _config(**overrides) -> tf.ProphetNetConfig:
+    values = dict(vocab_size=99, hidden_size=32, encoder_ffn_dim=37, decoder_ffn_dim=37, num_encoder_layers=2,
+                  num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                  max_position_embeddings=64, ngram=2, num_buckets=8, relative_max_distance=16, pad_token_id=PAD,
+                  bos_token_id=1, eos_token_id=1, decoder_start_token_id=1)
+    return tf.ProphetNetConfig(**{**values, **overrides})
+
+
+def tiny_prophetnet(**overrides) -> torch.nn.Module:
+    """A tiny ProphetNet in float64, headlab's blocks made (its masks as float64: the module's docstring)."""
+    torch.manual_seed(0)
+    model = tf.ProphetNetForConditionalGeneration(_config(**overrides)).double().eval()
+    attention_blocks(model)
+    return model
+
+
+def inputs() -> dict:
+    """Two sources of 7 ids, the second padded at the end (an integer mask, a tokenizer's), and two target prefixes
+    of 5."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 99, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    ids[1, 5:], mask[1, 5:] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+
+
+def logits(model, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def test_blocks_are_the_three_kinds():
+    """Encoder self-attention and decoder cross-attention (ProphetNetAttention), decoder self-attention (the n-gram
+    attention), 4 heads of 8 each, none idle; the causal LM's cross-attention (never fed) idle."""
+    blocks = attention_blocks(tiny_prophetnet())
+    assert sorted((b.kind, b.layer, b.n_heads, b.d_head, b.family.name, b.idle) for b in blocks) == sorted(
+        [("enc_self", i, 4, 8, "prophetnet-attention", False) for i in (0, 1)]
+        + [("dec_cross", i, 4, 8, "prophetnet-attention", False) for i in (0, 1)]
+        + [("dec_self", i, 4, 8, "prophetnet", False) for i in (0, 1)])
+    decoder = attention_blocks(tf.ProphetNetForCausalLM(_config()).eval())
+    assert sorted((b.kind, b.layer, b.idle) for b in decoder) == \
+        sorted([("dec_self", i, False) for i in (0, 1)] + [("dec_cross", i, True) for i in (0, 1)])
+
+
+def test_float64_takes_integer_masks():
+    """Regression: in float64, transformers' ProphetNet gives NaN on an integer padding mask; once headlab made its
+    blocks, the logits are finite and equal those of the same mask in float64 (bit for bit: what transformers computes
+    with a float mask), encoder and decoder masks both; float32 is left alone."""
+    torch.manual_seed(0)
+    plain = tf.ProphetNetForConditionalGeneration(_config()).double().eval()
+    batch = {**inputs(), "decoder_attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    floats = {**batch, "attention_mask": batch["attention_mask"].double(),
+              "decoder_attention_mask": batch["decoder_attention_mask"].double()}
+    reference = logits(plain, floats)
+    assert torch.isfinite(reference).all()
+    attention_blocks(plain)
+    assert torch.equal(logits(plain, batch), reference)
+    assert torch.equal(logits(plain, floats), reference)
+    single = tf.ProphetNetForConditionalGeneration(_config()).eval()
+    attention_blocks(single)
+    assert type(single.prophetnet.encoder).forward is not tf.ProphetNetEncoder.forward
+    torch.testing.assert_close(logits(single, batch), logits(single.double(), floats).float(), atol=1e-5, rtol=0)
+
+
+def test_padded_targets_refused_before_the_decoder_runs():
+    """Regression: transformers' predicting streams gather their relative-position scores in an order that follows
+    the padded length, so a right-padded target row's logits differ from the row alone (checked here, without
+    headlab); the decoder refuses a padded target batch before it runs, naming the fix. Targets of one length give
+    each row's logits alone (1e-12), padded sources too, and so does cached greedy generation of a padded batch."""
+    model, batch = tiny_prophetnet(), inputs()
+    padded = {**batch, "decoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    alone = {"input_ids": batch["input_ids"][1:, :5], "decoder_input_ids": batch["decoder_input_ids"][1:, :3]}
+    plain = tf.ProphetNetForConditionalGeneration(_config()).double().eval()
+    plain.load_state_dict(model.state_dict())
+    floats = {**padded, "attention_mask": padded["attention_mask"].double(),
+              "decoder_attention_mask": padded["decoder_attention_mask"].double()}
+    assert not torch.allclose(logits(plain, floats)[1, :3], logits(plain, alone)[0], atol=1e-6, rtol=0)
+    calls: list = []
+    model.prophetnet.decoder.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(HeadlabError, match=r"row 1 is padded \(3 of 5 positions\).*--batch-size 1"):
+        logits(model, padded)
+    assert not calls
+    whole = {"input_ids": batch["input_ids"][1:, :5], "decoder_input_ids": batch["decoder_input_ids"][1:]}
+    torch.testing.assert_close(logits(model, batch)[1], logits(model, whole)[0], atol=1e-12, rtol=0)
+    sources = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    kwargs = dict(max_new_tokens=5, do_sample=False, num_beams=1, use_cache=True, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        both = model.generate(**sources, **kwargs)
+        one = model.generate(input_ids=batch["input_ids"][1:, :5], **kwargs)
+    assert torch.equal(both.sequences[1], one.sequences[0])
+    torch.testing.assert_close(torch.stack(both.scores)[:, 1], torch.stack(one.scores)[:, 0], atol=1e-12, rtol=0)
+
+
+def test_logits_come_from_the_first_predicting_stream():
+    """What the analysis rests on, read in ProphetNetForConditionalGeneration.forward: the next-token logits are the
+    LM head of the first predicting stream, not of the main stream (whose map is the one analysed; it reaches them
+    through every layer's keys and values)."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        streams = model.prophetnet(**batch).last_hidden_state_ngram
+    torch.testing.assert_close(out.logits, model.lm_head(streams[:, :5]), atol=1e-14, rtol=0)
+    assert not torch.allclose(out.logits, model.lm_head(out.decoder_hidden_states[-1]))
+
+
+def test_capture_equals_the_modules_probabilities():
+    """Capture on a padded batch: the encoder's and the cross-attention's maps equal the softmax of the scores
+    ``output_attentions`` returns (what the module's forward takes its softmax of), the cross-attention's main-stream
+    rows; the decoder's the main stream's probabilities; bit for bit, rows summing to one."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad():
+        out = model(**batch, output_attentions=True)
+        with capture_attention(model) as record:
+            model(**batch)
+    assert sorted(record) == sorted((kind, layer) for kind in KINDS for layer in (0, 1))
+    for layer in (0, 1):
+        assert out.cross_attentions[layer].shape[2] == 3 * 5  # [main | predicting 1 | predicting 2] x 5 tokens
+        assert torch.equal(record[("enc_self", layer)], out.encoder_attentions[layer].softmax(-1))
+        assert torch.equal(record[("dec_cross", layer)], out.cross_attentions[layer].softmax(-1)[:, :, :5])
+        assert torch.equal(record[("dec_self", layer)], out.decoder_attentions[layer])
+        for kind in KINDS:
+            torch.testing.assert_close(record[(kind, layer)].sum(-1), torch.ones(2, 4, record[(kind, layer)].shape[2],
+                                       dtype=torch.float64), atol=1e-6, rtol=0)
+    assert torch.equal(record[("enc_self", 0)][1, :, :, 5:], torch.zeros(4, 7, 2, dtype=torch.float64))
+
+
+def _zero_values(model, kind: str, layer: int, head: int) -> None:
+    if kind == "enc_self":
+        attention = model.prophetnet.encoder.layers[layer].self_attn
+    else:
+        decoder = model.prophetnet.decoder.layers[layer]
+        attention = decoder.cross_attn if kind == "dec_cross" else decoder.self_attn
+    with torch.no_grad():
+        attention.value_proj.weight[head * 8:(head + 1) * 8] = 0
+        attention.value_proj.bias[head * 8:(head + 1) * 8] = 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masking_equals_zeroing_the_values(kind):
+    """Masking head 2 of layer 1 changes the logits, comes off cleanly, and equals zeroing the head's value rows by
+    hand (its output 0 in every stream: the decoder self-attention's output projection runs on the main stream's heads
+    and on the predicting streams', both masked) to 1e-12."""
+    model, batch = tiny_prophetnet(), inputs()
+    before = logits(model, batch)
+    with mask_heads(model, {(kind, 1): [2]}):
+        masked = logits(model, batch)
+    assert torch.equal(logits(model, batch), before)
+    _zero_values(model, kind, 1, 2)
+    reference = logits(model, batch)
+    assert not torch.allclose(reference, before)
+    torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+
+
+def test_masking_reaches_the_predicting_streams():
+    """A decoder self-attention head masked is gone from the predicting streams too: logits_ngram (the second
+    predicting stream's, which the first's logits never see) equal those with its values zeroed."""
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad(), mask_heads(model, {("dec_self", 0): [1]}):
+        masked = model(**batch).logits_ngram
+    _zero_values(model, "dec_self", 0, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(masked, model(**batch).logits_ngram, atol=1e-12, rtol=0)
+
+
+def test_gates_at_one_change_nothing():
+    from support.family_matrix import check_gates_at_one_change_nothing
+
+    check_gates_at_one_change_nothing(tiny_prophetnet(), inputs())
+
+
+def test_hard_concrete_gates_draw_once_per_call_for_every_stream():
+    """In training, a Hard Concrete gate of a decoder self-attention head is drawn once per call of the attention, and
+    that one sample scales the head's output in the main stream and in the predicting streams (out_proj's two runs):
+    the pass equals one with constant gates at the drawn values."""
+    from headlab import ConstantGates, gates_attached
+    from headlab.pruning import HardConcreteGates
+
+    model = tiny_prophetnet(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    batch = inputs()
+    gates = HardConcreteGates.for_model(model)
+    drawn: dict = {}
+    own = gates.gate
+
+    def recorded(key):
+        value = own(key)
+        drawn.setdefault(key, []).append(value.detach().clone())
+        return value
+
+    gates.gate = recorded
+    torch.manual_seed(5)
+    with gates_attached(model, gates):
+        model.train()
+        with torch.no_grad():
+            trained = model(**batch).logits
+        model.eval()
+    assert {key: len(values) for key, values in drawn.items()} == {b.key: 1 for b in attention_blocks(model)}
+    assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
+    with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
+        torch.testing.assert_close(logits(model, batch), trained, atol=1e-12, rtol=0)
+
+
+SPECS = {
+    "partial": {("enc_self", 0): [1], ("enc_self", 1): [0, 2], ("dec_cross", 1): [0, 1, 2]},
+    "no head left": {("enc_self", 0): [0, 1, 2, 3], ("dec_cross", 0): [0, 1, 2, 3], ("dec_cross", 1): [2]},
+}
+"""Pruning plans of the encoder and cross attention ({(kind, layer): heads removed}); the decoder self-attention's
+pruning is refused (test_decoder_self_attention_pruning_and_lrp_refused_before_any_work)."""
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_equals_masked(spec_name):
+    """Encoder self-attention and cross-attention heads pruned (a layer of each emptied in "no head left"): the
+    logits of the padded batch and cached greedy generation equal the masked model's (1e-12)."""
+    from support.seq2seq_families import check_pruned_equals_masked
+
+    check_pruned_equals_masked(tiny_prophetnet(), SPECS[spec_name], inputs())
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_reloads(spec_name, tmp_path):
+    """The pruned directory loads with load_pruned and with plain transformers (trust_remote_code: its pruned layers
+    take PRUNED_FORWARDS["prophetnet-attention"]) and gives the masked model's logits and cached greedy tokens. (Float
+    masks: plain transformers' ProphetNet gives NaN in float64 on integer ones.)"""
+    from support.seq2seq_families import check_pruned_reloads
+
+    batch = inputs()
+    batch["attention_mask"] = batch["attention_mask"].double()
+    check_pruned_reloads(tiny_prophetnet(), SPECS[spec_name], batch, tmp_path / "pruned", {"prophetnet-attention"})
+
+
+def test_predicting_streams_scores_are_not_their_own():
+    """Why the decoder self-attention's pruning and padded targets are refused, read in transformers 5.24
+    (get_predict_relative_pos_embeddings): the relative-position scores it adds for head h of predicting stream n at
+    position t are not the projection of that stream's hidden state at t with head h's rows (gathered with t's
+    buckets), but another (position, stream, head)'s, in an order that follows the head count and the length. Should
+    transformers fix it, this fails: both refusals can then be revisited."""
+    attention = tiny_prophetnet().prophetnet.decoder.layers[0].self_attn
+    batch, length, ngram, buckets, heads = 2, 5, 2, 8, 4
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, length, ngram, 32, dtype=torch.float64, generator=g)
+    bucket = torch.randint(0, buckets, (batch, length, 2 * length), generator=g)
+    weights = torch.zeros(batch, ngram, heads, length, 2 * length, dtype=torch.float64)
+    with torch.no_grad():
+        theirs = attention.get_predict_relative_pos_embeddings(hidden, weights, None, bucket)
+        projected = attention.relative_pos_embeddings(hidden).view(batch, length, ngram, buckets, heads)
+    own = torch.stack([torch.stack([torch.stack([projected[b, :, n, :, h].gather(1, bucket[b]) for h in range(heads)])
+                                    for n in range(ngram)]) for b in range(batch)])
+    assert theirs.shape == own.shape and not torch.allclose(theirs, own)
+
+
+def test_decoder_self_attention_pruning_refused_before_any_work():
+    """Pruning a decoder self-attention head (a whole layer too) is refused, naming why, and nothing changes."""
+    from headlab import prune_heads
+
+    model, batch = tiny_prophetnet(), inputs()
+    before = logits(model, batch)
+    for spec in ({("dec_self", 0): [1]}, {("dec_self", 1): [0, 1, 2, 3], ("enc_self", 0): [1]}):
+        with pytest.raises(HeadlabError, match="get_predict_relative_pos_embeddings"):
+            prune_heads(model, spec)
+    assert torch.equal(logits(model, batch), before)
+    assert all(b.n_heads == 4 for b in attention_blocks(model))
+
+
+def _lrp_conservation(model) -> dict:
+    """compute_lrp (one sentence per batch) on the model's own greedy translations of three sources: the
+    conservation record."""
+    from headlab.importance import compute_lrp
+    from support.seq2seq_families import translated_data
+
+    data, info = translated_data(model, eos=1)
+    return compute_lrp(model, data, info, bootstrap=0, batch_size=1).signature["conservation"]
+
+
+@pytest.mark.parametrize("pruned", [False, True], ids=["whole", "pruned"])
+def test_lrp_conserves(pruned):
+    """LRP (biases and norms offset from their initial values) conserves every sentence's logit to 1e-10 in float64,
+    encoder and cross-attention heads pruned too: the attention rule holds the decoder self-attention's
+    relative-position scores constant with its queries and keys (mixer_rules.prophetnet: without, 2.4e-4 is lost on
+    this model), the logit is the first predicting stream's, and the relevance reaching the predicting streams' rows of
+    the decoder's first layer (learned embeddings, no tokens) is kept as a bias's (LEARNED_STREAMS). Before session
+    41's rule, refused."""
+    from headlab import prune_heads
+    from support.lrp_families import offset_biases_and_norms
+
+    model = tiny_prophetnet()
+    torch.manual_seed(3)
+    offset_biases_and_norms(model)
+    if pruned:
+        prune_heads(model, SPECS["partial"])
+    record = _lrp_conservation(model)
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0, record
+    assert abs(record["with_biases"]["min"] - 1) < 1e-10 and abs(record["with_biases"]["max"] - 1) < 1e-10, record
+
+
+def test_lrp_counts_the_predicting_streams_as_constants():
+    """The relevance reaching the decoder's first layer is split: its tokens' rows are input embeddings, its
+    predicting streams' rows a constant's share (kept with the biases'): the input embeddings' share is less than
+    with every row counted as input (0.88 on this model), the total one either way."""
+    import headlab.importance.lrp as lrp
+    from support.lrp_families import offset_biases_and_norms
+
+    model = tiny_prophetnet()
+    torch.manual_seed(3)
+    offset_biases_and_norms(model)
+    split = _lrp_conservation(model)
+    streams = dict(lrp.LEARNED_STREAMS)
+    lrp.LEARNED_STREAMS.clear()
+    try:
+        whole = _lrp_conservation(model)
+    finally:
+        lrp.LEARNED_STREAMS.update(streams)
+    for record in (split, whole):
+        assert abs(record["with_biases"]["mean"] - 1) < 1e-10, record
+    assert whole["embeddings"]["mean"] > split["embeddings"]["mean"] + 0.5, (whole, split)
+
+
+def test_analyze_end_to_end(tmp_path, capsys):
+    """``headlab analyze --ablation --batch-size 1`` on a saved tiny ProphetNet (float32, a word tokenizer with Marian's
+    special ids): every stage done, LRP included, but pruning and the figures; the examples' decoder
+    self-attention causal. (With batches of several sentences, a stage that pads targets is refused: see
+    test_padded_targets_refused_before_the_decoder_runs.)"""
+    import numpy as np
+
+    from headlab.report.examples import load_example
+    from support.family_matrix import ANALYZE_STAGES, analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = tiny_prophetnet(pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1).float()
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    code, stages = analyze(tmp_path / "model", tmp_path, "--batch-size", "1")
+    assert code == 0, capsys.readouterr().err
+    for name in (*ANALYZE_STAGES, "lrp"):
+        assert stages[name]["status"] == "done", stages[name]
+    examples = sorted((tmp_path / "out").rglob("sentence-*.json"))
+    assert examples
+    for path in examples:
+        _, attention = load_example(path)
+        assert {kind for kind, _ in attention} == set(KINDS)
+        for (kind, _), maps in attention.items():
+            if kind == "dec_self":
+                assert maps.shape[-1] > 1 and np.triu(maps.sum(0), k=1).sum() == 0
+
+
+def test_causal_lm_analyze_end_to_end(tmp_path, capsys):
+    """``headlab analyze --ablation --batch-size 1`` on a saved ProphetNetForCausalLM (the decoder alone, its
+    cross-attention idle): every stage done, LRP included, but pruning and the figures."""
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    torch.manual_seed(0)
+    save_tiny(tf.ProphetNetForCausalLM(_config()).eval(), tmp_path / "model", treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / "model", tmp_path, "--batch-size", "1")
+    assert code == 0, capsys.readouterr().err
+    for name in (*ANALYZE_STAGES, "lrp"):
+        assert stages[name]["status"] == "done", stages[name]
