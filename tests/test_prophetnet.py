@@ -391,3 +391,19 @@ def test_causal_lm_analyze_end_to_end(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     for name in (*ANALYZE_STAGES, "lrp"):
         assert stages[name]["status"] == "done", stages[name]
+
+
+def test_analyze_refuses_batches_of_several_sentences_before_any_work(tmp_path, capsys):
+    """Before, ``headlab analyze`` without ``--batch-size 1`` loaded the model and failed in its first stage that
+    batched two targets of different lengths; now exit 2 before any stage, naming the option."""
+    from support.family_matrix import analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = tiny_prophetnet(pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1).float()
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(FileNotFoundError):  # no manifest: no stage began
+        analyze(tmp_path / "model", tmp_path, "--batch-size", "4")
+    err = capsys.readouterr().err
+    assert "headlab analyze: error: --batch-size 4: ProphetNet's decoder runs one sentence per batch" in err, err
+    assert "give --batch-size 1" in err

@@ -40,6 +40,12 @@ MASKS: dict[str, tuple[tuple[str, int], ...]] = {
     "ProphetNetEncoder": (("attention_mask", 1),),
     "ProphetNetDecoder": (("attention_mask", 1), ("encoder_attention_mask", 3))}
 """The stacks whose forward makes additive masks of its padding masks: (argument, position) of each mask."""
+PADDED_TARGETS_REFUSED = {"prophetnet": (
+    "ProphetNet's decoder runs one sentence per batch in headlab: transformers' predicting streams gather their "
+    "relative-position scores in an order that follows the padded length, so a padded target row's logits differ "
+    "from the row's alone, and a batch of several sentences pads its targets")}
+"""Model types whose decoder refuses padded target batches (:func:`check_target_padding`): what ``headlab analyze``
+says before any work where ``--batch-size`` is more than 1."""
 _INSTALLED = "_headlab_float_masks"
 _CLASSES: dict[type, type] = {}
 

@@ -511,6 +511,7 @@ class _Context:
             self.log(data.summary())
             self._check_next_tokens(data)
             self._check_block_sparse(data)
+            self._check_padded_targets()
             self._data = data
         return self._data
 
@@ -536,6 +537,17 @@ class _Context:
                        "a language model by its loss of predicting each next token, which a one-token sentence does "
                        f"not have: give sentences of two tokens or more{'' if c.limit is None else ' (or a larger --limit)'}"
                        f", or --skip {' '.join(loss)}")
+
+    def _check_padded_targets(self) -> None:
+        """ProphetNet's decoder refuses a padded target batch before it runs (headlab.adapters.prophetnet: its
+        predicting streams compute a padded row apart from the row alone), which the importance stages build from
+        every batch of several sentences: refused here, before the first stage's work, naming the option."""
+        from headlab.adapters.prophetnet import PADDED_TARGETS_REFUSED
+
+        model_type = getattr(getattr(self.load()[0], "config", None), "model_type", None)
+        if model_type in PADDED_TARGETS_REFUSED and self.config.batch_size > 1:
+            raise _Refused(f"--batch-size {self.config.batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give "
+                           "--batch-size 1")
 
     def _check_block_sparse(self, data) -> None:
         """Block-sparse BigBird refuses, before its forward, every sentence of at most (5 + 2 x num_random_blocks) x
