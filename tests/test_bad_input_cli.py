@@ -313,6 +313,36 @@ def test_model_without_tokenizer_is_refused(command, inputs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["functions", "aggregate", "importance", "prune train", "lm evaluate"])
+def test_model_without_tokenizer_is_refused_before_its_weights_load(command, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: these commands loaded the weights (minutes for a large model) before finding that the
+    directory holds no tokenizer; analyze and nmt translate refused first."""
+    bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
+    forbid_model_loading(monkeypatch)
+    src, out = str(inputs / "src.txt"), str(tmp_path / "o")
+    args = {"functions": ["functions", str(bare), "--conllu", str(inputs / "tb.conllu"), "--out", out],
+            "aggregate": ["aggregate", str(bare), "--conllu", str(inputs / "tb.conllu"), "--out", out],
+            "importance": ["importance", str(bare), "--source", src, "--method", "confidence", "--out", out],
+            "prune train": ["prune", "train", str(bare), "--train-src", src, "--train-tgt", src, "--keep", "2",
+                            "--out", out],
+            "lm evaluate": ["lm", "evaluate", str(bare), "--text", src]}[command]
+    assert main([*args, "--no-progress"] if command != "lm evaluate" else args) == 2
+    err = capsys.readouterr().err
+    assert f"{bare}: cannot load a tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_frequency_file_is_refused_before_the_weights_load(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: a --frequencies line naming a token the tokenizer lacks was found after the weights loaded."""
+    frequencies = tmp_path / "freq.tsv"
+    frequencies.write_text("dog\t5\nnot-a-word-of-it\t3\n", encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(_functions(inputs, tmp_path / "o", "--frequencies", str(frequencies))) == 2
+    err = capsys.readouterr().err
+    assert f"{frequencies}:2: token 'not-a-word-of-it' is not in the tokenizer's vocabulary" in err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("command", ["functions", "importance", "analyze"])
 def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, inputs, tmp_path, capsys):
     """Regression: `functions --tokenizer` (or a model directory's own tokenizer) whose ordinary

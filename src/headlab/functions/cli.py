@@ -120,13 +120,15 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     config = _config(args, functions, aggregate)
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
+    # The tokenizer and the token frequencies first: a directory without a tokenizer or a bad line of
+    # --frequencies is refused before the weights load (minutes for a large model).
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     frequencies = None
     if functions and getattr(args, "frequencies", None):
         frequencies = TokenFrequencies.from_file(tokenizer, args.frequencies)
     elif functions and getattr(args, "train_text", None):
         frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     analysis = analyze_heads(
         model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source,
         frequencies=frequencies, config=config, model_name=shown_model_name(args.model), progress=not args.no_progress,

@@ -139,8 +139,9 @@ def _run(args, part) -> int:
             print(f"headlab importance: {message}", file=sys.stderr)
 
     start = time.perf_counter()
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
+    # the tokenizer first: a directory without one is refused before the weights load
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     from headlab.adapters import attention_blocks
 
     present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
