@@ -467,12 +467,18 @@ def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
 
 
 def _count_blocks(lines) -> int:
+    """The blocks :func:`read_conllu` reads as sentences, split as :func:`_blocks` splits them: a line blank to
+    ``str.strip`` (a no-break space too) ends a block, a block of comments alone is none, a byte order mark
+    opens no line. Counted on the bytes (``bytes.strip``, ``startswith(b"#")``) a no-break space line joined
+    two sentences and a comment block after a byte order mark was one, which the paired check miscounted."""
     n, in_block = 0, False
-    for raw in lines:
-        stripped = raw.strip()
-        if not stripped:
+    for index, raw in enumerate(lines):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if index == 0:
+            line = line.lstrip("\ufeff")
+        if not line.strip():
             in_block = False
-        elif not stripped.startswith(b"#") and not in_block:
+        elif not line.startswith("#") and not in_block:
             n, in_block = n + 1, True
     return n
 
