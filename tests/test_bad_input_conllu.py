@@ -180,18 +180,22 @@ def test_cli_relation_without_arcs_is_reported(model_dir, tmp_path, capsys):
     assert "--relations iobj: no arc of it in the data" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content", [b"", b"\n\n", b"# newdoc\n# only comments\n"])
-def test_cli_empty_treebank_is_refused_and_writes_nothing(content, model_dir, tmp_path, capsys):
-    """Regression: an empty CoNLL-U file exited 0 and wrote tables of NaN."""
+@pytest.mark.parametrize("command", ["functions", "analyze"])
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"# newdoc\n# only comments\n", b"# newdoc\n\n# only comments\n\n"])
+def test_cli_empty_treebank_is_refused_and_writes_nothing(content, command, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: an empty CoNLL-U file exited 0 and wrote tables of NaN. One of comments alone was found only
+    after the model loaded (functions: exit 1) or after analyze's importance stages had run (exit 1)."""
     path = tmp_path / "empty.conllu"
     path.write_bytes(content)
+    source = tmp_path / "source.txt"
+    source.write_text("the dog\n", encoding="utf-8")
     out = tmp_path / "out"
-    code = main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"])
+    forbid_model_loading(monkeypatch)
+    extra = ["--source", str(source)] if command == "analyze" else []
+    code = main([command, str(model_dir), "--conllu", str(path), *extra, "--out", str(out), "--no-progress"])
     err = capsys.readouterr().err
-    if content.strip():  # not empty, but no sentence in it: found while running
-        assert code == 1 and "no sentence could be analysed; nothing written" in err
-    else:
-        assert code == 2 and f"--conllu {path}: the file is empty" in err
+    said = "holds no sentence (only comments and blank lines)" if content.strip() else "the file is empty"
+    assert code == 2 and f"--conllu {path}: {said}" in err
     assert "Traceback" not in err and files_under(out) == set()
 
 

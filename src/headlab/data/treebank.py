@@ -43,6 +43,7 @@ __all__ = [
     "InMemoryTreebank",
     "Sentence",
     "Treebank",
+    "check_has_sentence",
     "count_sentences",
     "read_conllu",
     "relation_matcher",
@@ -466,7 +467,15 @@ def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
         return _count_blocks(handle)
 
 
-def _count_blocks(lines) -> int:
+def check_has_sentence(path: "str | Path", flag: str) -> None:
+    """Refuse, before any work, a CoNLL-U file with no sentence block (comments and blank lines only): a
+    command found it after loading the model, analyze after its importance stages had run."""
+    with open_binary(_conllu_path(path)) as handle:
+        if _count_blocks(handle, stop_at=1) == 0:
+            raise HeadlabError(f"{flag} {path}: holds no sentence (only comments and blank lines)")
+
+
+def _count_blocks(lines, stop_at: int | None = None) -> int:
     """The blocks :func:`read_conllu` reads as sentences, split as :func:`_blocks` splits them: a line blank to
     ``str.strip`` (a no-break space too) ends a block, a block of comments alone is none, a byte order mark
     opens no line. Counted on the bytes (``bytes.strip``, ``startswith(b"#")``) a no-break space line joined
@@ -480,6 +489,8 @@ def _count_blocks(lines) -> int:
             in_block = False
         elif not line.startswith("#") and not in_block:
             n, in_block = n + 1, True
+            if n == stop_at:
+                break
     return n
 
 

@@ -177,6 +177,11 @@ def _check(args) -> None:
     for flag in ("conllu", "target_conllu", "source", "frequencies"):
         if getattr(args, flag, None) is not None:
             preflight.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    from headlab.data.treebank import check_has_sentence
+
+    for flag in ("conllu", "target_conllu"):
+        if getattr(args, flag) is not None:
+            check_has_sentence(getattr(args, flag), "--" + flag.replace("_", "-"))
     _check_pairing(args)
     for path in getattr(args, "train_text", None) or ():
         preflight.input_file(path, "--train-text")
