@@ -31,6 +31,7 @@ from headlab.checkpoint import (
     check_fits_weights,
     check_text_of_multimodal,
     config_for,
+    is_config_error,
     listed_classes,
     model_class_for,
     one_line,
@@ -197,7 +198,7 @@ def load_model(
             "transformers needs"
         raise HeadlabError(f"{name_or_path}: cannot load it here: {why} what is not installed ({one_line(error)})"
                            ) from None
-    except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
+    except (ValueError, ZeroDivisionError) as error:  # a config transformers cannot build (is_config_error)
         raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
                            f"build ({one_line(error)})") from error
     check_text_of_multimodal(name_or_path, config, cls, info)
@@ -343,7 +344,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
     try:
         with torch.device("meta"):
             model = cls(config_for(cls, config))
-    except (ValueError, TypeError, ImportError, NotImplementedError) as error:
+    except (ValueError, TypeError, ImportError, NotImplementedError, ZeroDivisionError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not is_config_error(error):
+            raise
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
     problem = token_ids_problem(model)
     if problem:
