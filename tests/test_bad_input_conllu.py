@@ -199,13 +199,22 @@ def test_cli_empty_treebank_is_refused_and_writes_nothing(content, command, mode
     assert "Traceback" not in err and files_under(out) == set()
 
 
-def test_cli_every_sentence_malformed_fails_and_writes_nothing(model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["functions", "analyze"])
+def test_cli_every_sentence_malformed_is_refused_before_any_work(command, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: found after the model loaded (functions, exit 1) or after analyze's importance stages had run
+    (its functions and aggregate stages failed, exit 1)."""
     path = tmp_path / "bad.conllu"
-    path.write_text("1\tword\n\n1\tother\n", encoding="utf-8")
+    path.write_text("# a comment\n1\tword\n\n1\tother\n", encoding="utf-8")
+    source = tmp_path / "source.txt"
+    source.write_text("the dog\n", encoding="utf-8")
     out = tmp_path / "out"
-    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"]) == 1
+    forbid_model_loading(monkeypatch)
+    extra = ["--source", str(source)] if command == "analyze" else []
+    assert main([command, str(model_dir), "--conllu", str(path), *extra, "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:1: expected 10 tab-separated columns" in err and files_under(out) == set()
+    assert (f"--conllu {path}: no well-formed sentence (2 sentences, all malformed; the first: {path}:2: expected 10 "
+            "tab-separated columns, found 2)") in err
+    assert "Traceback" not in err and files_under(out) == set()
 
 
 def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
