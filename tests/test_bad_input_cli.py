@@ -332,6 +332,15 @@ def test_model_without_tokenizer_is_refused_before_its_weights_load(command, inp
     assert not (tmp_path / "o").exists()
 
 
+def test_lm_evaluate_of_a_directory_whose_tokenizer_has_no_bos_is_refused_before_the_weights_load(inputs, capsys,
+                                                                                                   monkeypatch):
+    """Regression: `lm evaluate` of a translation model's directory loaded its weights before saying so."""
+    forbid_model_loading(monkeypatch)
+    assert main(["lm", "evaluate", str(inputs / "model"), "--text", str(inputs / "src.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{inputs / 'model'}: the tokenizer has no BOS token (not a headlab language model)" in err
+
+
 def test_bad_frequency_file_is_refused_before_the_weights_load(inputs, tmp_path, capsys, monkeypatch):
     """Regression: a --frequencies line naming a token the tokenizer lacks was found after the weights loaded."""
     frequencies = tmp_path / "freq.tsv"
