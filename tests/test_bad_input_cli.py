@@ -341,6 +341,30 @@ def test_lm_evaluate_of_a_directory_whose_tokenizer_has_no_bos_is_refused_before
     assert f"{inputs / 'model'}: the tokenizer has no BOS token (not a headlab language model)" in err
 
 
+@pytest.mark.parametrize("command", ["importance", "functions"])
+def test_target_side_of_a_one_stack_model_is_refused_before_the_weights_load(command, inputs, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Regression: importance --target and functions --target-conllu on a language model were refused only after
+    its weights loaded."""
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    lm = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(lm)
+    word_tokenizer([w for s in SENTENCES for w in s.split()]).save_pretrained(lm)
+    forbid_model_loading(monkeypatch)
+    src, out = str(inputs / "src.txt"), str(tmp_path / "o")
+    args = {"importance": ["importance", str(lm), "--source", src, "--target", src, "--out", out],
+            "functions": ["functions", str(lm), "--target-conllu", str(inputs / "tb.conllu"), "--source", src,
+                          "--out", out]}[command]
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    said = (f"--target {src}: references are only used with translation (encoder-decoder) models" if command ==
+            "importance" else f"--target-conllu {inputs / 'tb.conllu'}: target-side parses need an encoder-decoder model")
+    assert said in err and f"{lm} has one stack" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_frequency_file_is_refused_before_the_weights_load(inputs, tmp_path, capsys, monkeypatch):
     """Regression: a --frequencies line naming a token the tokenizer lacks was found after the weights loaded."""
     frequencies = tmp_path / "freq.tsv"

@@ -213,6 +213,12 @@ def _check_pairing(args) -> None:
     if args.conllu is not None and args.source is not None:
         raise HeadlabError(f"--conllu {args.conllu} and --source {args.source} both give the source side of "
                            "--target-conllu; give one of them")
+    from headlab.loading import load_config
+
+    if not getattr(load_config(args.model, args.trust_remote_code), "is_encoder_decoder", False):
+        # as analyze_heads says it, before the weights load
+        raise HeadlabError(f"--target-conllu {args.target_conllu}: target-side parses need an encoder-decoder model; "
+                           f"{args.model} has one stack")
     if args.conllu is None and args.source is None:
         raise HeadlabError(f"--target-conllu {args.target_conllu}: decoder analysis needs the source sentences: give "
                            "--conllu (source parses) or --source (one sentence per line), aligned with the target parses")

@@ -64,6 +64,13 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
+    if args.target is not None:
+        from headlab.loading import load_config
+
+        if not getattr(load_config(args.model, args.trust_remote_code), "is_encoder_decoder", False):
+            # as read_data says it, before the weights load
+            raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
+                               f"models; {args.model} has one stack")
     for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
