@@ -365,6 +365,24 @@ def test_target_side_of_a_one_stack_model_is_refused_before_the_weights_load(com
     assert not (tmp_path / "o").exists()
 
 
+def test_importance_kind_the_model_lacks_is_refused_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    """Regression: `importance --kinds dec_self` of an encoder was refused only after its weights loaded."""
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()]).save_pretrained(bert)
+    source = tmp_path / "src.txt"
+    source.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(["importance", str(bert), "--source", str(source), "--kinds", "enc_self,dec_self", "--out",
+                 str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--kinds dec_self: the model has no dec_self heads (it has enc_self)" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_frequency_file_is_refused_before_the_weights_load(inputs, tmp_path, capsys, monkeypatch):
     """Regression: a --frequencies line naming a token the tokenizer lacks was found after the weights loaded."""
     frequencies = tmp_path / "freq.tsv"

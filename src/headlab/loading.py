@@ -303,6 +303,14 @@ def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module
     return model.eval()
 
 
+def config_structure(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
+    """The structure its config.json describes, on the meta device, as load_model would analyse it (a refused
+    multimodal wrapper's language model); no weights read, a pruned directory's heads all there."""
+    config = load_config(name_or_path, trust_remote_code)
+    model = build_model(model_class_for(config, f"{name_or_path}/config.json"), config, name_or_path, meta=True)
+    return _analysed_structure(model, {})[0]
+
+
 def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     """The model's structure without its weights (on the meta device): enough to list heads.
     A local directory's weights' headers must fit it; where they say that layers kept fewer heads

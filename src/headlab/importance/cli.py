@@ -86,6 +86,20 @@ def _sentences(args) -> tuple[int, str, str]:
     return sum(1 for line in lines if line.strip()), "non-empty line", f"of --source {args.source}"
 
 
+def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:
+    """A --kinds kind the model has no block of, refused from its structure (the meta device, no weights read);
+    before, after the weights loaded. A kind whose every head was pruned is found once they have."""
+    from headlab.adapters import attention_blocks
+    from headlab.loading import config_structure
+
+    if not Path(args.model).is_dir():
+        return  # a hub id: the loader (and the check after it) says what is wrong
+    have = {b.kind for b in attention_blocks(config_structure(args.model, args.trust_remote_code))}
+    for kind in kinds:
+        if kind not in have:
+            raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(have))})")
+
+
 def _check_beam(args, info) -> None:
     from headlab.importance.config import check_beam
 
@@ -141,6 +155,7 @@ def _run(args, part) -> int:
             if kind not in KINDS:
                 raise HeadlabError(f"--kinds {args.kinds}: unknown attention kind {kind!r}; "
                                    f"expected a comma list of {', '.join(KINDS)}")
+        _check_kinds_in_structure(args, kinds)
     def log(message: str) -> None:
         if part.main:
             print(f"headlab importance: {message}", file=sys.stderr)
