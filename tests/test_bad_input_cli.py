@@ -341,11 +341,11 @@ def test_lm_evaluate_of_a_directory_whose_tokenizer_has_no_bos_is_refused_before
     assert f"{inputs / 'model'}: the tokenizer has no BOS token (not a headlab language model)" in err
 
 
-@pytest.mark.parametrize("command", ["importance", "functions"])
+@pytest.mark.parametrize("command", ["importance", "importance --beam", "functions"])
 def test_target_side_of_a_one_stack_model_is_refused_before_the_weights_load(command, inputs, tmp_path, capsys,
                                                                               monkeypatch):
-    """Regression: importance --target and functions --target-conllu on a language model were refused only after
-    its weights loaded."""
+    """Regression: importance --target or --beam and functions --target-conllu on a language model were refused
+    only after its weights loaded."""
     from support.models import tiny_model
     from support.treebank import word_tokenizer
 
@@ -355,13 +355,18 @@ def test_target_side_of_a_one_stack_model_is_refused_before_the_weights_load(com
     forbid_model_loading(monkeypatch)
     src, out = str(inputs / "src.txt"), str(tmp_path / "o")
     args = {"importance": ["importance", str(lm), "--source", src, "--target", src, "--out", out],
+            "importance --beam": ["importance", str(lm), "--source", src, "--beam", "3", "--out", out],
             "functions": ["functions", str(lm), "--target-conllu", str(inputs / "tb.conllu"), "--source", src,
                           "--out", out]}[command]
     assert main([*args, "--no-progress"]) == 2
     err = capsys.readouterr().err
-    said = (f"--target {src}: references are only used with translation (encoder-decoder) models" if command ==
-            "importance" else f"--target-conllu {inputs / 'tb.conllu'}: target-side parses need an encoder-decoder model")
-    assert said in err and f"{lm} has one stack" in err and "Traceback" not in err
+    said = {"importance": f"--target {src}: references are only used with translation (encoder-decoder) models; "
+                          f"{lm} has one stack",
+            "importance --beam": f"--beam 3: the beam of the model's translations, and {lm} is a gpt2 model that does "
+                                 "not translate",
+            "functions": f"--target-conllu {inputs / 'tb.conllu'}: target-side parses need an encoder-decoder model; "
+                         f"{lm} has one stack"}[command]
+    assert said in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
 

@@ -64,13 +64,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    if args.target is not None:
-        from headlab.loading import load_config
-
-        if not getattr(load_config(args.model, args.trust_remote_code), "is_encoder_decoder", False):
-            # as read_data says it, before the weights load
-            raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
-                               f"models; {args.model} has one stack")
+    _check_translation_options(args)
     for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
@@ -84,6 +78,25 @@ def _sentences(args) -> tuple[int, str, str]:
     lines = read_lines(args.source)
     lines = lines[: first_sentences(lines, args.limit)]
     return sum(1 for line in lines if line.strip()), "non-empty line", f"of --source {args.source}"
+
+
+def _check_translation_options(args) -> None:
+    """--target and --beam of a model that does not translate (its config: one stack, or a sequence classifier),
+    refused before the weights load, as analyze refuses them (before, once the model had loaded)."""
+    if args.target is None and args.beam == 1:
+        return
+    from headlab.checkpoint import model_class_for
+    from headlab.importance.config import check_beam
+    from headlab.loading import load_config
+
+    config = load_config(args.model, args.trust_remote_code)
+    classifier = model_class_for(config, f"{args.model}/config.json").__name__.endswith("ForSequenceClassification")
+    translates = bool(getattr(config, "is_encoder_decoder", False)) and not classifier
+    if args.target is not None and not translates:  # as read_data says it
+        raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
+                           f"models; {args.model} " + ("is a sequence classifier" if classifier else "has one stack"))
+    check_beam(args.beam, translates=translates, classifier=classifier, arch=config.model_type, model=args.model,
+               option="--beam")
 
 
 def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:
