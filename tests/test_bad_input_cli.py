@@ -336,6 +336,92 @@ def test_model_without_tokenizer_is_refused(command, inputs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["functions", "aggregate", "importance", "prune train", "lm evaluate"])
+def test_model_without_tokenizer_is_refused_before_its_weights_load(command, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: these commands loaded the weights (minutes for a large model) before finding that the
+    directory holds no tokenizer; analyze and nmt translate refused first."""
+    bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
+    forbid_model_loading(monkeypatch)
+    src, out = str(inputs / "src.txt"), str(tmp_path / "o")
+    args = {"functions": ["functions", str(bare), "--conllu", str(inputs / "tb.conllu"), "--out", out],
+            "aggregate": ["aggregate", str(bare), "--conllu", str(inputs / "tb.conllu"), "--out", out],
+            "importance": ["importance", str(bare), "--source", src, "--method", "confidence", "--out", out],
+            "prune train": ["prune", "train", str(bare), "--train-src", src, "--train-tgt", src, "--keep", "2",
+                            "--out", out],
+            "lm evaluate": ["lm", "evaluate", str(bare), "--text", src]}[command]
+    assert main([*args, "--no-progress"] if command != "lm evaluate" else args) == 2
+    err = capsys.readouterr().err
+    assert f"{bare}: cannot load a tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_lm_evaluate_of_a_directory_whose_tokenizer_has_no_bos_is_refused_before_the_weights_load(inputs, capsys,
+                                                                                                   monkeypatch):
+    """Regression: `lm evaluate` of a translation model's directory loaded its weights before saying so."""
+    forbid_model_loading(monkeypatch)
+    assert main(["lm", "evaluate", str(inputs / "model"), "--text", str(inputs / "src.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{inputs / 'model'}: the tokenizer has no BOS token (not a headlab language model)" in err
+
+
+@pytest.mark.parametrize("command", ["importance", "importance --beam", "functions"])
+def test_target_side_of_a_one_stack_model_is_refused_before_the_weights_load(command, inputs, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Regression: importance --target or --beam and functions --target-conllu on a language model were refused
+    only after its weights loaded."""
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    lm = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(lm)
+    word_tokenizer([w for s in SENTENCES for w in s.split()]).save_pretrained(lm)
+    forbid_model_loading(monkeypatch)
+    src, out = str(inputs / "src.txt"), str(tmp_path / "o")
+    args = {"importance": ["importance", str(lm), "--source", src, "--target", src, "--out", out],
+            "importance --beam": ["importance", str(lm), "--source", src, "--beam", "3", "--out", out],
+            "functions": ["functions", str(lm), "--target-conllu", str(inputs / "tb.conllu"), "--source", src,
+                          "--out", out]}[command]
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    said = {"importance": f"--target {src}: references are only used with translation (encoder-decoder) models; "
+                          f"{lm} has one stack",
+            "importance --beam": f"--beam 3: the beam of the model's translations, and {lm} is a gpt2 model that does "
+                                 "not translate",
+            "functions": f"--target-conllu {inputs / 'tb.conllu'}: target-side parses need an encoder-decoder model; "
+                         f"{lm} has one stack"}[command]
+    assert said in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_importance_kind_the_model_lacks_is_refused_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    """Regression: `importance --kinds dec_self` of an encoder was refused only after its weights loaded."""
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()]).save_pretrained(bert)
+    source = tmp_path / "src.txt"
+    source.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(["importance", str(bert), "--source", str(source), "--kinds", "enc_self,dec_self", "--out",
+                 str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--kinds dec_self: the model has no dec_self heads (it has enc_self)" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_frequency_file_is_refused_before_the_weights_load(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: a --frequencies line naming a token the tokenizer lacks was found after the weights loaded."""
+    frequencies = tmp_path / "freq.tsv"
+    frequencies.write_text("dog\t5\nnot-a-word-of-it\t3\n", encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(_functions(inputs, tmp_path / "o", "--frequencies", str(frequencies))) == 2
+    err = capsys.readouterr().err
+    assert f"{frequencies}:2: token 'not-a-word-of-it' is not in the tokenizer's vocabulary" in err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("command", ["functions", "importance", "analyze"])
 def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, inputs, tmp_path, capsys):
     """Regression: `functions --tokenizer` (or a model directory's own tokenizer) whose ordinary

@@ -180,28 +180,41 @@ def test_cli_relation_without_arcs_is_reported(model_dir, tmp_path, capsys):
     assert "--relations iobj: no arc of it in the data" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content", [b"", b"\n\n", b"# newdoc\n# only comments\n"])
-def test_cli_empty_treebank_is_refused_and_writes_nothing(content, model_dir, tmp_path, capsys):
-    """Regression: an empty CoNLL-U file exited 0 and wrote tables of NaN."""
+@pytest.mark.parametrize("command", ["functions", "analyze"])
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"# newdoc\n# only comments\n", b"# newdoc\n\n# only comments\n\n"])
+def test_cli_empty_treebank_is_refused_and_writes_nothing(content, command, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: an empty CoNLL-U file exited 0 and wrote tables of NaN. One of comments alone was found only
+    after the model loaded (functions: exit 1) or after analyze's importance stages had run (exit 1)."""
     path = tmp_path / "empty.conllu"
     path.write_bytes(content)
+    source = tmp_path / "source.txt"
+    source.write_text("the dog\n", encoding="utf-8")
     out = tmp_path / "out"
-    code = main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"])
+    forbid_model_loading(monkeypatch)
+    extra = ["--source", str(source)] if command == "analyze" else []
+    code = main([command, str(model_dir), "--conllu", str(path), *extra, "--out", str(out), "--no-progress"])
     err = capsys.readouterr().err
-    if content.strip():  # not empty, but no sentence in it: found while running
-        assert code == 1 and "no sentence could be analysed; nothing written" in err
-    else:
-        assert code == 2 and f"--conllu {path}: the file is empty" in err
+    said = "holds no sentence (only comments and blank lines)" if content.strip() else "the file is empty"
+    assert code == 2 and f"--conllu {path}: {said}" in err
     assert "Traceback" not in err and files_under(out) == set()
 
 
-def test_cli_every_sentence_malformed_fails_and_writes_nothing(model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["functions", "analyze"])
+def test_cli_every_sentence_malformed_is_refused_before_any_work(command, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: found after the model loaded (functions, exit 1) or after analyze's importance stages had run
+    (its functions and aggregate stages failed, exit 1)."""
     path = tmp_path / "bad.conllu"
-    path.write_text("1\tword\n\n1\tother\n", encoding="utf-8")
+    path.write_text("# a comment\n1\tword\n\n1\tother\n", encoding="utf-8")
+    source = tmp_path / "source.txt"
+    source.write_text("the dog\n", encoding="utf-8")
     out = tmp_path / "out"
-    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"]) == 1
+    forbid_model_loading(monkeypatch)
+    extra = ["--source", str(source)] if command == "analyze" else []
+    assert main([command, str(model_dir), "--conllu", str(path), *extra, "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:1: expected 10 tab-separated columns" in err and files_under(out) == set()
+    assert (f"--conllu {path}: no well-formed sentence (2 sentences, all malformed; the first: {path}:2: expected 10 "
+            "tab-separated columns, found 2)") in err
+    assert "Traceback" not in err and files_under(out) == set()
 
 
 def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
@@ -281,3 +294,66 @@ def test_non_utf8_comment_between_sentences_takes_no_place(tmp_path):
     read = list(read_conllu(path, problems=problems, keep_place=True))
     assert [s.sent_id for s in read] == ["s1", "s2", "s3", "s4"]
     assert [(p.line, p.message[:19]) for p in problems.problems] == [(13, "not valid UTF-8 (in")]
+
+
+def _paired_run(tmp_path, model_dir, *sides):
+    return main(["functions", str(model_dir), *sides, "--out", str(tmp_path / "o"), "--no-progress", "--no-figures"])
+
+
+@pytest.mark.parametrize("case", ["source-without-target", "source-beside-conllu", "no-source-side",
+                                  "source-text-one-line-more", "source-text-one-line-fewer", "conllu-one-sentence-fewer"])
+def test_paired_sides_that_cannot_pair_are_refused_before_the_model_loads(case, model_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Regression: --source without --target-conllu, or beside --conllu, was ignored (exit 0); --target-conllu
+    with no source side was refused only after the weights loaded; sides of other lengths were analysed up to
+    the shorter one with a note (exit 0), every pair after an extra or missing line a wrong one."""
+    target = tmp_path / "target.conllu"
+    target.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    four = ["the dog", "the cat", "birds sing", "a zebra"]
+    text = tmp_path / "source.txt"
+    text.write_text("\n".join(four + (["one more"] if case == "source-text-one-line-more" else [])
+                              if case != "source-text-one-line-fewer" else four[:3]) + "\n", encoding="utf-8")
+    short = tmp_path / "short.conllu"
+    short.write_text("\n\n".join(BLOCKS[:3]) + "\n\n", encoding="utf-8")
+    sides, said = {
+        "source-without-target": (["--conllu", str(target), "--source", str(text)],
+                                  f"--source {text}: the source sentences of --target-conllu, which is not given"),
+        "source-beside-conllu": (["--conllu", str(target), "--target-conllu", str(target), "--source", str(text)],
+                                 f"--conllu {target} and --source {text} both give the source side"),
+        "no-source-side": (["--target-conllu", str(target)],
+                           f"--target-conllu {target}: decoder analysis needs the source sentences"),
+        "source-text-one-line-more": (["--target-conllu", str(target), "--source", str(text)],
+                                      f"--target-conllu {target} has 4 sentences but --source {text} has 5 lines"),
+        "source-text-one-line-fewer": (["--target-conllu", str(target), "--source", str(text)],
+                                       f"--target-conllu {target} has 4 sentences but --source {text} has 3 lines"),
+        "conllu-one-sentence-fewer": (["--conllu", str(short), "--target-conllu", str(target)],
+                                      f"--target-conllu {target} has 4 sentences but --conllu {short} has 3 sentences"),
+    }[case]
+    forbid_model_loading(monkeypatch)
+    assert _paired_run(tmp_path, model_dir, *sides) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert files_under(tmp_path / "o") == set()
+
+
+def test_paired_sides_of_one_length_run_and_blank_lines_after_the_last_source_line_are_none(model_dir, tmp_path,
+                                                                                             capsys):
+    target = tmp_path / "target.conllu"
+    target.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    text = tmp_path / "source.txt"
+    text.write_text("the dog\n\nbirds sing\na zebra\n\n  \n", encoding="utf-8")  # line 2 blank: its pair skipped
+    assert _paired_run(tmp_path, model_dir, "--target-conllu", str(target), "--source", str(text)) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())["report"]
+    assert summary["n_sentences"] == 3 and summary["problems"]["counts"] == {"malformed": 1}
+
+
+def test_sentences_are_counted_as_the_reader_reads_them(tmp_path):
+    """Regression: count_sentences (progress, --num-processes, the paired check) read a line holding a
+    no-break space as a sentence's line, joining the two around it, and a comment block after a UTF-8
+    byte order mark as a sentence."""
+    from headlab.data.treebank import count_sentences
+
+    path = tmp_path / "tb.conllu"
+    path.write_bytes(b"\xef\xbb\xbf# newdoc id = d1\n\n" + "\n\u00a0\n".join(BLOCKS).encode("utf-8"))
+    assert len(list(read_conllu(path))) == 4
+    assert count_sentences(path) == 4

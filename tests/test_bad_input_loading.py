@@ -297,6 +297,38 @@ def test_config_whose_heads_do_not_divide_the_width(dirs, tmp_path, capsys):
     assert "divisible" in line and str(directory) in line
 
 
+# A config.json field that transformers cannot build a model from: each was an internal error with a traceback.
+BAD_CONFIG_FIELDS = {
+    "no-head": ({"encoder_attention_heads": 0}, "cannot build the model from its config (integer division"),
+    "negative-width": ({"d_model": -8}, "cannot build the model from its config (Trying to create tensor with "
+                                        "negative dimension"),
+    "negative-vocabulary": ({"vocab_size": -1}, "negative dimension -1"),
+    "heads-a-float": ({"encoder_attention_heads": 2.0}, "config.json: Validation error for field "
+                                                        "'encoder_attention_heads'"),
+    "heads-null": ({"encoder_attention_heads": None}, "expected int, got NoneType"),
+    "layers-a-string": ({"encoder_layers": "2"}, "Field 'encoder_layers' expected int, got str"),
+    # built (-8 x -4 = 32 passes transformers' check), refused as "no head size attribute 'head_dim'"
+    "negative-heads": ({"encoder_attention_heads": -4}, "its head size (head_dim) is -8, not a positive number"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(BAD_CONFIG_FIELDS))
+def test_config_field_transformers_cannot_build_from_is_one_line(row, dirs, tmp_path, capsys):
+    """Regression: 0 heads (ZeroDivisionError), a negative size (RuntimeError from torch) and a field of the wrong
+    type (huggingface_hub's StrictDataclassFieldValidationError) were internal errors, traceback and exit 1, from
+    `heads`, `functions` and `prune`."""
+    directory = _copy(dirs, "plain", tmp_path)
+    changes, said = BAD_CONFIG_FIELDS[row]
+    _edit_json(directory / "config.json", **changes)
+    line = _one_line_error(capsys, main(["heads", str(directory)]))
+    assert said.split("(")[-1] in line and (str(directory) in line or row == "negative-heads")  # there: the module
+    line = _one_line_error(capsys, main(["prune", str(directory), "--heads", "enc_self:0:1", "--out",
+                                         str(tmp_path / "o")]))
+    assert str(directory) in line and said in line and not (tmp_path / "o").exists()
+    with pytest.raises(HeadlabError, match=re.escape(said.split("(")[-1])):
+        load_model(str(directory))
+
+
 # -- pruning records --------------------------------------------------------------------------
 # save_tiny_pruned removed enc_self layer 0's heads 1 and 2: the record keeps [0, 3].
 LYING_RECORDS = {

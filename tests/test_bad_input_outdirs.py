@@ -252,6 +252,9 @@ ENCODED = {
     "utf-32 with a bom": (TEXT.encode("utf-32"), "is UTF-32LE (it starts with that byte order mark)"),
     "cr-only line ends": (TEXT.replace("\n", "\r").encode(), "its lines end in a CR alone"),
     "nul bytes": (b"The dog\x00\x00\x00 barks\x00.\n", "holds NUL bytes"),
+    # badinput: one stray NUL in UTF-8 text was "looks like UTF-16LE ...", whose iconv makes garbage of it
+    "a stray nul in utf-8 text": (b"The dog barks .\nA cat\x00 sleeps .\n",
+                                  "holds NUL bytes (1 in its first 32 bytes, the first on line 2)"),
     # audit31: said "holds NUL bytes: not a UTF-8 text file" (or "not valid UTF-8"), not what was wrong
     "gzip without .gz": (gzip.compress(TEXT.encode(), mtime=0), "gzip-compressed, yet its name does not end in .gz"),
 }

@@ -212,10 +212,13 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
     import json
 
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
 
     try:
         config, unused = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                                                  return_unused_kwargs=True, **overrides)
+    except StrictDataclassError as error:  # a field of the wrong type ("num_attention_heads": 2.0 or null): a traceback
+        raise HeadlabError(f"{path}/config.json: {one_line(error)}") from error
     except (OSError, ValueError) as error:
         auto_map = None
         try:
@@ -261,9 +264,20 @@ def build_model(cls: type, config, source: str | Path, meta: bool = False) -> nn
             with torch.device("meta"):
                 return cls(config)
         return cls(config)
-    except (ValueError, AttributeError, TypeError) as error:
+    except (ValueError, AttributeError, TypeError, ZeroDivisionError, RuntimeError) as error:
+        if not is_config_error(error):
+            raise
         raise HeadlabError(f"{source}: its config.json does not describe a {cls.__name__} transformers can "
                            f"build ({one_line(error)})") from error
+
+
+def is_config_error(error: BaseException) -> bool:
+    """Whether building a model failed on its config's numbers: heads that do not divide the width (a ValueError),
+    no head at all (``width // 0``), a negative size (torch: "Trying to create tensor with negative dimension").
+    The last two were internal errors with a traceback."""
+    if isinstance(error, RuntimeError):
+        return "negative dimension" in str(error)
+    return isinstance(error, (ValueError, AttributeError, TypeError, ZeroDivisionError))
 
 
 # -- weights ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from headlab.checkpoint import (
     check_fits_weights,
     check_text_of_multimodal,
     config_for,
+    is_config_error,
     listed_classes,
     model_class_for,
     one_line,
@@ -197,7 +198,7 @@ def load_model(
             "transformers needs"
         raise HeadlabError(f"{name_or_path}: cannot load it here: {why} what is not installed ({one_line(error)})"
                            ) from None
-    except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
+    except (ValueError, ZeroDivisionError) as error:  # a config transformers cannot build (is_config_error)
         raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
                            f"build ({one_line(error)})") from error
     check_text_of_multimodal(name_or_path, config, cls, info)
@@ -302,6 +303,14 @@ def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module
     return model.eval()
 
 
+def config_structure(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
+    """The structure its config.json describes, on the meta device, as load_model would analyse it (a refused
+    multimodal wrapper's language model); no weights read, a pruned directory's heads all there."""
+    config = load_config(name_or_path, trust_remote_code)
+    model = build_model(model_class_for(config, f"{name_or_path}/config.json"), config, name_or_path, meta=True)
+    return _analysed_structure(model, {})[0]
+
+
 def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     """The model's structure without its weights (on the meta device): enough to list heads.
     A local directory's weights' headers must fit it; where they say that layers kept fewer heads
@@ -343,7 +352,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
     try:
         with torch.device("meta"):
             model = cls(config_for(cls, config))
-    except (ValueError, TypeError, ImportError, NotImplementedError) as error:
+    except (ValueError, TypeError, ImportError, NotImplementedError, ZeroDivisionError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not is_config_error(error):
+            raise
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
     problem = token_ids_problem(model)
     if problem:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -65,23 +66,42 @@ def text_problem(head: bytes) -> str | None:
                    f"`iconv -f {name} -t UTF-8 FILE > FILE.utf8`"
     nuls = head.count(b"\x00")
     if nuls:
-        at = [bool(head[i::4].count(b"\x00")) for i in range(4)]  # NULs at offsets 0..3 mod 4
-        if at == [False, True, True, True]:
-            guess = "UTF-32LE"
-        elif at == [True, True, True, False]:
-            guess = "UTF-32BE"
-        elif not at[0] and not at[2]:
-            guess = "UTF-16LE"
-        elif not at[1] and not at[3]:
-            guess = "UTF-16BE"
-        else:
-            return f"the file holds NUL bytes ({nuls} in its first {len(head)} bytes): not a UTF-8 text file"
+        guess = _unicode_without_bom(head)
+        if guess is None:
+            line = head.count(b"\n", 0, head.index(b"\x00")) + 1
+            return f"the file holds NUL bytes ({nuls} in its first {len(head)} bytes, the first on line {line}): " \
+                   "not a UTF-8 text file"
         return f"the file looks like {guess} without a byte order mark (NUL bytes beside its characters), not " \
                f"UTF-8; convert it first, e.g. `iconv -f {guess} -t UTF-8 FILE > FILE.utf8`"
     if b"\r" in head and b"\n" not in head:
         return "its lines end in a CR alone (classic Mac OS line ends), which would read the whole file as one " \
                "line; convert them first, e.g. `tr '\\r' '\\n' < FILE > FILE.unix`"
     return None
+
+
+# A line end in each encoding headlab names: the evidence, beside the NULs' places, that a file is in it.
+_NEWLINES = {"UTF-32LE": b"\n\x00\x00\x00", "UTF-32BE": b"\x00\x00\x00\n", "UTF-16LE": b"\n\x00",
+             "UTF-16BE": b"\x00\n"}
+
+
+def _unicode_without_bom(head: bytes) -> str | None:
+    """The UTF-16 or UTF-32 encoding ``head`` is in, or None: its NULs all where that encoding puts them
+    beside a character, and a line end of that encoding in its place. The places alone named a UTF-8 file
+    with one stray NUL "UTF-16LE", and iconv from UTF-16 would have turned it into garbage."""
+    at = [bool(head[i::4].count(b"\x00")) for i in range(4)]  # NULs at offsets 0..3 mod 4
+    if at == [False, True, True, True]:
+        guess = "UTF-32LE"
+    elif at == [True, True, True, False]:
+        guess = "UTF-32BE"
+    elif not at[0] and not at[2]:
+        guess = "UTF-16LE"
+    elif not at[1] and not at[3]:
+        guess = "UTF-16BE"
+    else:
+        return None
+    newline = _NEWLINES[guess]
+    aligned = (match.start() % len(newline) == 0 for match in re.finditer(re.escape(newline), head))
+    return guess if any(aligned) else None
 
 
 def input_file(path: str | os.PathLike, flag: str, *, allow_empty: bool = False) -> Path:

@@ -912,7 +912,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         # model does not know the heads' original numbering, which headlab's results are given in.
         raise HeadlabError(f"{where}: a layer pruned by headlab, loaded without headlab; load the pruned "
                            "directory with headlab.load_pruned(path) (or headlab.loading.load_model) to analyse it")
-    if not isinstance(d_head, int) or d_head <= 0:
+    if isinstance(d_head, int) and d_head <= 0:  # a config's negative head count: "no head size attribute" hid it
+        raise HeadlabError(f"{where}: its head size ({family.d_head_attr}) is {d_head}, not a positive number; "
+                           "check the head counts and widths in the model's config.json")
+    if not isinstance(d_head, int):
         raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
     after = _columns_after(where, core, family)
     qkv: nn.Module | None

@@ -31,7 +31,7 @@ from conllu.parser import (
 )
 
 from headlab.data.parallel import numbered_lines, open_binary
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 
 __all__ = [
     "PAPER_RELATIONS",
@@ -43,6 +43,7 @@ __all__ = [
     "InMemoryTreebank",
     "Sentence",
     "Treebank",
+    "check_has_sentence",
     "count_sentences",
     "read_conllu",
     "relation_matcher",
@@ -466,13 +467,34 @@ def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
         return _count_blocks(handle)
 
 
+def check_has_sentence(path: "str | Path", flag: str) -> None:
+    """Refuse, before any work, a CoNLL-U file with no well-formed sentence (comments and blank lines only, or
+    every sentence malformed): a command found it after loading the model, analyze after its importance stages
+    had run. Read up to its first well-formed sentence."""
+    problems = ProblemLog(keep=1)
+    for _ in read_conllu(path, problems=problems):
+        return
+    malformed = problems.counts.get("malformed", 0)
+    if not malformed:
+        raise HeadlabError(f"{flag} {path}: holds no sentence (only comments and blank lines)")
+    first = str(problems.problems[0]).removesuffix("; sentence skipped")
+    raise HeadlabError(f"{flag} {path}: no well-formed sentence ({counted(malformed, 'sentence')}, all malformed; "
+                       f"the first: {first})")
+
+
 def _count_blocks(lines) -> int:
+    """The blocks :func:`read_conllu` reads as sentences, split as :func:`_blocks` splits them: a line blank to
+    ``str.strip`` (a no-break space too) ends a block, a block of comments alone is none, a byte order mark
+    opens no line. Counted on the bytes (``bytes.strip``, ``startswith(b"#")``) a no-break space line joined
+    two sentences and a comment block after a byte order mark was one, which the paired check miscounted."""
     n, in_block = 0, False
-    for raw in lines:
-        stripped = raw.strip()
-        if not stripped:
+    for index, raw in enumerate(lines):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if index == 0:
+            line = line.lstrip("\ufeff")
+        if not line.strip():
             in_block = False
-        elif not stripped.startswith(b"#") and not in_block:
+        elif not line.startswith("#") and not in_block:
             n, in_block = n + 1, True
     return n
 

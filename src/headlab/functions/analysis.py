@@ -415,6 +415,8 @@ def _examples(conllu, target_conllu, source_text, problems: ProblemLog,
         source = (line.strip() or None for line in read_lines(source_text))
         source_name = str(source_text)
     for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
+        if tgt is _END and src is None and conllu is None:
+            continue  # a blank line of the text after the last target sentence: no sentence left unpaired
         if src is _END or tgt is _END:
             longer, shorter = (source_name, target_conllu) if tgt is _END else (target_conllu, source_name)
             problems.add("unpaired", Problem(str(longer), 0, f"has more sentences than {shorter} "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError, RunFailed
+from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.options import HelpFormatter, add_options, from_args, renamed
 from headlab.outdir import check_output, results_lock
@@ -120,13 +120,15 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     config = _config(args, functions, aggregate)
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
+    # The tokenizer and the token frequencies first: a directory without a tokenizer or a bad line of
+    # --frequencies is refused before the weights load (minutes for a large model).
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     frequencies = None
     if functions and getattr(args, "frequencies", None):
         frequencies = TokenFrequencies.from_file(tokenizer, args.frequencies)
     elif functions and getattr(args, "train_text", None):
         frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     analysis = analyze_heads(
         model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source,
         frequencies=frequencies, config=config, model_name=shown_model_name(args.model), progress=not args.no_progress,
@@ -175,6 +177,12 @@ def _check(args) -> None:
     for flag in ("conllu", "target_conllu", "source", "frequencies"):
         if getattr(args, flag, None) is not None:
             preflight.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    from headlab.data.treebank import check_has_sentence
+
+    for flag in ("conllu", "target_conllu"):
+        if getattr(args, flag) is not None:
+            check_has_sentence(getattr(args, flag), "--" + flag.replace("_", "-"))
+    _check_pairing(args)
     for path in getattr(args, "train_text", None) or ():
         preflight.input_file(path, "--train-text")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
@@ -187,6 +195,46 @@ def _check(args) -> None:
     _config(args, True, True)  # the statistics' options: an unknown --relations
     preflight.output_dir(args.out)
     check_output(args.out, args.overwrite, command=args.command)
+
+
+def _check_pairing(args) -> None:
+    """The source side of --target-conllu: given once, and sentence for sentence as long as the target
+    side. Before, --source without --target-conllu (or beside --conllu) was ignored, a missing source
+    side was found after the weights loaded, and sides of other lengths were analysed pair by pair up
+    to the shorter one, every pair after an extra line a wrong one, with a note."""
+    from headlab.data.parallel import read_lines
+    from headlab.data.treebank import count_sentences
+
+    if args.target_conllu is None:
+        if args.source is not None:
+            raise HeadlabError(f"--source {args.source}: the source sentences of --target-conllu, which is not given; "
+                               "the treebank of --conllu is analysed alone (leave --source out)")
+        return
+    if args.conllu is not None and args.source is not None:
+        raise HeadlabError(f"--conllu {args.conllu} and --source {args.source} both give the source side of "
+                           "--target-conllu; give one of them")
+    from headlab.loading import load_config
+
+    if not getattr(load_config(args.model, args.trust_remote_code), "is_encoder_decoder", False):
+        # as analyze_heads says it, before the weights load
+        raise HeadlabError(f"--target-conllu {args.target_conllu}: target-side parses need an encoder-decoder model; "
+                           f"{args.model} has one stack")
+    if args.conllu is None and args.source is None:
+        raise HeadlabError(f"--target-conllu {args.target_conllu}: decoder analysis needs the source sentences: give "
+                           "--conllu (source parses) or --source (one sentence per line), aligned with the target parses")
+    n_target = count_sentences(args.target_conllu)
+    if args.conllu is not None:
+        flag, source, n_source = "--conllu", args.conllu, count_sentences(args.conllu)
+        unit = "sentence"
+    else:
+        lines = read_lines(args.source)
+        while lines and not lines[-1].strip():  # blank lines after the last sentence pair with nothing
+            lines.pop()
+        flag, source, n_source, unit = "--source", args.source, len(lines), "line"
+    if n_source != n_target:
+        raise HeadlabError(f"--target-conllu {args.target_conllu} has {counted(n_target, 'sentence')} but {flag} "
+                           f"{source} has {counted(n_source, unit)}: the source and target sides must match sentence "
+                           "for sentence")
 
 
 def run_functions(args) -> int:

@@ -64,6 +64,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
+    _check_translation_options(args)
     for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
@@ -77,6 +78,39 @@ def _sentences(args) -> tuple[int, str, str]:
     lines = read_lines(args.source)
     lines = lines[: first_sentences(lines, args.limit)]
     return sum(1 for line in lines if line.strip()), "non-empty line", f"of --source {args.source}"
+
+
+def _check_translation_options(args) -> None:
+    """--target and --beam of a model that does not translate (its config: one stack, or a sequence classifier),
+    refused before the weights load, as analyze refuses them (before, once the model had loaded)."""
+    if args.target is None and args.beam == 1:
+        return
+    from headlab.checkpoint import model_class_for
+    from headlab.importance.config import check_beam
+    from headlab.loading import load_config
+
+    config = load_config(args.model, args.trust_remote_code)
+    classifier = model_class_for(config, f"{args.model}/config.json").__name__.endswith("ForSequenceClassification")
+    translates = bool(getattr(config, "is_encoder_decoder", False)) and not classifier
+    if args.target is not None and not translates:  # as read_data says it
+        raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
+                           f"models; {args.model} " + ("is a sequence classifier" if classifier else "has one stack"))
+    check_beam(args.beam, translates=translates, classifier=classifier, arch=config.model_type, model=args.model,
+               option="--beam")
+
+
+def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:
+    """A --kinds kind the model has no block of, refused from its structure (the meta device, no weights read);
+    before, after the weights loaded. A kind whose every head was pruned is found once they have."""
+    from headlab.adapters import attention_blocks
+    from headlab.loading import config_structure
+
+    if not Path(args.model).is_dir():
+        return  # a hub id: the loader (and the check after it) says what is wrong
+    have = {b.kind for b in attention_blocks(config_structure(args.model, args.trust_remote_code))}
+    for kind in kinds:
+        if kind not in have:
+            raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(have))})")
 
 
 def _check_beam(args, info) -> None:
@@ -134,13 +168,15 @@ def _run(args, part) -> int:
             if kind not in KINDS:
                 raise HeadlabError(f"--kinds {args.kinds}: unknown attention kind {kind!r}; "
                                    f"expected a comma list of {', '.join(KINDS)}")
+        _check_kinds_in_structure(args, kinds)
     def log(message: str) -> None:
         if part.main:
             print(f"headlab importance: {message}", file=sys.stderr)
 
     start = time.perf_counter()
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
+    # the tokenizer first: a directory without one is refused before the weights load
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     from headlab.adapters import attention_blocks
 
     present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}

@@ -84,11 +84,11 @@ def _evaluate(args) -> int:
     for path in args.text:
         input_file(path, "--text")  # missing, a directory, empty, not UTF-8: named as lm train names --train
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
-    model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
-    tokenizer = load_tokenizer(args.model)
-    check_tokenizer_fits(tokenizer, model, args.model)  # another model's: an IndexError in the first batch
-    if tokenizer.bos_token_id is None:
+    tokenizer = load_tokenizer(args.model)  # first: a directory without one is refused before the weights load
+    if tokenizer.bos_token_id is None:  # before the weights load too (a translation model's directory, say)
         raise HeadlabError(f"{args.model}: the tokenizer has no BOS token (not a headlab language model)")
+    model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
+    check_tokenizer_fits(tokenizer, model, args.model)  # another model's: an IndexError in the first batch
     positions = cast(Any, model.config).max_position_embeddings
     corpus = encode_lm_corpus(tokenizer, text.sentences, positions)
     result = perplexity(model, corpus, tokenizer.pad_token_id, max_tokens=args.max_tokens)

@@ -312,6 +312,10 @@ def validate(config: AnalyzeConfig) -> Path:
                        *(("--train-text", path) for path in config.train_text)):
         if path is not None:
             preflight.input_file(path, flag)
+    if config.conllu is not None:
+        from headlab.data.treebank import check_has_sentence
+
+        check_has_sentence(config.conllu, "--conllu")
     from headlab.device_options import device_options
 
     device_options(config)  # a missing CUDA device fails here
