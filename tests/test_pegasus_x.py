@@ -34,7 +34,13 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_confidence_on_every_engine, check_gates_at_one_change_nothing, logits, perturbed_model
+from support.family_matrix import (
+    check_confidence_on_every_engine,
+    check_gates_at_one_change_nothing,
+    check_gates_draw_once_per_call,
+    logits,
+    perturbed_model,
+)
 from support.pegasus_x import dense_maps
 from support.seq2seq_families import (
     KINDS,
@@ -356,30 +362,8 @@ def test_hard_concrete_gates_draw_once_per_call_for_the_tokens_and_the_global_to
     sample scales the head's output for the global tokens and for the tokens: the pass equals one with constant gates
     at the drawn values. Before (a draw at each of out_proj's two runs), the global tokens' heads took another
     sample than the tokens'."""
-    from headlab import ConstantGates, gates_attached
-    from headlab.pruning import HardConcreteGates
-
-    model = tiny_pegasus_x(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-    gates = HardConcreteGates.for_model(model)
-    drawn: dict = {}
-    own = gates.gate
-
-    def recorded(key):
-        value = own(key)
-        drawn.setdefault(key, []).append(value.detach().clone())
-        return value
-
-    gates.gate = recorded
-    torch.manual_seed(5)
-    with gates_attached(model, gates):
-        model.train()
-        with torch.no_grad():
-            trained = model(**_inputs()).logits
-        model.eval()
-    assert {key: len(values) for key, values in drawn.items()} == {b.key: 1 for b in attention_blocks(model)}
-    assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
-    with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
-        torch.testing.assert_close(logits(model, _inputs()), trained, atol=1e-12, rtol=0)
+    check_gates_draw_once_per_call(tiny_pegasus_x(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+                                   _inputs())
 
 
 def test_confidence_is_the_same_on_every_engine():

@@ -210,31 +210,9 @@ def test_hard_concrete_gates_draw_once_per_call_for_every_stream():
     """In training, a Hard Concrete gate of a decoder self-attention head is drawn once per call of the attention, and
     that one sample scales the head's output in the main stream and in the predicting streams (out_proj's two runs):
     the pass equals one with constant gates at the drawn values."""
-    from headlab import ConstantGates, gates_attached
-    from headlab.pruning import HardConcreteGates
+    from support.family_matrix import check_gates_draw_once_per_call
 
-    model = tiny_prophetnet(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-    batch = inputs()
-    gates = HardConcreteGates.for_model(model)
-    drawn: dict = {}
-    own = gates.gate
-
-    def recorded(key):
-        value = own(key)
-        drawn.setdefault(key, []).append(value.detach().clone())
-        return value
-
-    gates.gate = recorded
-    torch.manual_seed(5)
-    with gates_attached(model, gates):
-        model.train()
-        with torch.no_grad():
-            trained = model(**batch).logits
-        model.eval()
-    assert {key: len(values) for key, values in drawn.items()} == {b.key: 1 for b in attention_blocks(model)}
-    assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
-    with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
-        torch.testing.assert_close(logits(model, batch), trained, atol=1e-12, rtol=0)
+    check_gates_draw_once_per_call(tiny_prophetnet(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0), inputs())
 
 
 SPECS = {

@@ -600,6 +600,36 @@ def check_gates_at_one_change_nothing(model, inputs: dict) -> None:
         assert not module._forward_pre_hooks and not module._forward_hooks, module
 
 
+def check_gates_draw_once_per_call(model, inputs: dict) -> None:
+    """In training, each Hard Concrete gate is drawn once per call of its attention (a family whose output projection
+    runs several times per call, ``Family.output_calls``: PEGASUS-X's global tokens and tokens, ProphetNet's streams,
+    takes that one sample in every run), and some draw is not all ones: the pass equals one with constant gates at
+    the drawn values. ``model``: built without dropout."""
+    from headlab import ConstantGates, attention_blocks, gates_attached
+    from headlab.pruning import HardConcreteGates
+
+    gates = HardConcreteGates.for_model(model)
+    drawn: dict = {}
+    own = gates.gate
+
+    def recorded(key):
+        value = own(key)
+        drawn.setdefault(key, []).append(value.detach().clone())
+        return value
+
+    gates.gate = recorded
+    torch.manual_seed(5)
+    with gates_attached(model, gates):
+        model.train()
+        with torch.no_grad():
+            trained = logits(model, inputs)
+        model.eval()
+    assert {key: len(values) for key, values in drawn.items()} == {b.key: 1 for b in attention_blocks(model)}
+    assert any(bool(((v[0] > 0) & (v[0] < 1)).any() or (v[0] == 0).any()) for v in drawn.values())  # not all ones
+    with gates_attached(model, ConstantGates({key: values[0] for key, values in drawn.items()})):
+        torch.testing.assert_close(logits(model, inputs), trained, atol=1e-12, rtol=0)
+
+
 def check_pruning_equals_masking(model, kind: str, inputs: dict, atol: float = 1e-6) -> None:
     """Head 1 of layer 0 and heads 0 and 2 of layer 1 pruned: the logits of the masked model."""
     from headlab import attention_blocks, mask_heads, prune_heads
