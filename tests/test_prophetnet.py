@@ -385,3 +385,20 @@ def test_analyze_refuses_batches_of_several_sentences_before_any_work(tmp_path, 
     err = capsys.readouterr().err
     assert "headlab analyze: error: --batch-size 4: ProphetNet's decoder runs one sentence per batch" in err, err
     assert "give --batch-size 1" in err
+
+
+def test_importance_refuses_batches_of_several_sentences_before_the_weights_load(tmp_path, capsys):
+    """``headlab importance`` likewise, from config.json: exit 2 naming the option, nothing written."""
+    from headlab.cli import main
+    from support.family_matrix import treebank_files
+    from support.treebank import word_tokenizer
+
+    model = tiny_prophetnet(pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1).float()
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    code = main(["importance", str(tmp_path / "model"), "--source", str(tmp_path / "text.txt"), "--method",
+                 "confidence", "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--batch-size 32: ProphetNet's decoder runs one sentence per batch" in err and "loading" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

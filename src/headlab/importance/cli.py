@@ -65,6 +65,7 @@ def _check(args) -> None:
 
     check_supported(args.model, args.trust_remote_code)
     _check_translation_options(args)
+    _check_padded_targets(args)
     for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
@@ -97,6 +98,19 @@ def _check_translation_options(args) -> None:
                            f"models; {args.model} " + ("is a sequence classifier" if classifier else "has one stack"))
     check_beam(args.beam, translates=translates, classifier=classifier, arch=config.model_type, model=args.model,
                option="--beam")
+
+
+def _check_padded_targets(args) -> None:
+    """ProphetNet's decoder refuses padded target batches (headlab.adapters.prophetnet), which --batch-size over 1
+    builds: refused from its config before the weights load, as analyze refuses it (before, at the first such batch)."""
+    from headlab.adapters.prophetnet import PADDED_TARGETS_REFUSED
+    from headlab.loading import load_config
+
+    if args.batch_size > 1 and Path(args.model).is_dir():
+        model_type = getattr(load_config(args.model, args.trust_remote_code), "model_type", None)
+        if model_type in PADDED_TARGETS_REFUSED:
+            raise HeadlabError(f"--batch-size {args.batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give "
+                               "--batch-size 1")
 
 
 def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:
