@@ -86,6 +86,26 @@ def test_a_failure_in_the_model_s_own_code_is_named_so(inputs, tmp_path, capsys,
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--method", "ablation", "--metric", "bleu"], "--metric bleu: the ablation's BLEU needs a translation model and "
+                                                  "reference translations (--target); give --target FILE"),
+    (["--method", "confidence,ablation", "--metric", "accuracy"], "--metric accuracy: the ablation's accuracy is a "
+                                                                  "sequence classifier's"),
+])
+def test_importance_ablation_metric_that_cannot_apply_is_refused_before_the_model_loads(extra, expected, inputs,
+                                                                                         tmp_path, capsys, monkeypatch):
+    """Left by session 41's audit: `importance --method ablation --metric bleu` without --target (or accuracy on a
+    translation model) was refused only once the weights had loaded; now from config.json, as analyze refuses it.
+    With --method all such an ablation is skipped instead (run_importance), so it is not refused here."""
+    forbid_model_loading(monkeypatch)
+    code = main(["importance", str(inputs / "model"), "--source", str(inputs / "src.txt"), *extra,
+                 "--out", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err and "Traceback" not in err
+    assert not files_under(tmp_path / "o")
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["functions"])

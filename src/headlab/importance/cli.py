@@ -84,7 +84,8 @@ def _sentences(args) -> tuple[int, str, str]:
 def _check_translation_options(args) -> None:
     """--target and --beam of a model that does not translate (its config: one stack, or a sequence classifier),
     refused before the weights load, as analyze refuses them (before, once the model had loaded)."""
-    if args.target is None and args.beam == 1:
+    metric = getattr(args, "metric", "loss")
+    if args.target is None and args.beam == 1 and metric == "loss":
         return
     from headlab.checkpoint import model_class_for
     from headlab.importance.config import check_beam
@@ -96,6 +97,7 @@ def _check_translation_options(args) -> None:
     if args.target is not None and not translates:  # as read_data says it
         raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
                            f"models; {args.model} " + ("is a sequence classifier" if classifier else "has one stack"))
+    _check_ablation_metric(args, translates, classifier)
     check_beam(args.beam, translates=translates, classifier=classifier, arch=config.model_type, model=args.model,
                option="--beam")
 
@@ -111,6 +113,23 @@ def _check_padded_targets(args) -> None:
         if model_type in PADDED_TARGETS_REFUSED:
             raise HeadlabError(f"--batch-size {args.batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give "
                                "--batch-size 1")
+
+
+def _check_ablation_metric(args, translates: bool, classifier: bool) -> None:
+    """--metric bleu or accuracy for an ablation asked for by name (--method naming it; with "all" an ablation the
+    metric does not fit is skipped, as run_importance skips it) on a model or data it does not fit, refused from the
+    config before the weights load (as analyze's check_options_fit_model; before, once the model had loaded)."""
+    metric = getattr(args, "metric", "loss")
+    named = {m.strip() for m in str(args.method).split(",")}
+    if "ablation" not in named or metric == "loss":
+        return
+    if metric == "bleu" and (args.target is None or not translates):
+        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
+                           f"(--target); {'give --target FILE' if translates else f'{args.model} does not translate'}, "
+                           "or use --metric loss")
+    if metric == "accuracy" and not classifier:
+        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {args.model} "
+                           f"is none; use --metric loss{' or bleu' if translates else ''}")
 
 
 def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:
