@@ -979,20 +979,14 @@ class _LowestIndexTies(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _under_tie_rule(forward, bound):
-    """``forward`` run under the rule, its signature kept (``functools.wraps``: :class:`NoHeadAttention` reads the
-    indexer's to call it as its layer does); ``bound``: a function of the instance (accelerate's hooks), else the
-    class's."""
-    if bound:
-        @functools.wraps(forward)
-        def wrapped(*args, **kwargs):
-            with _LowestIndexTies():
-                return forward(*args, **kwargs)
-    else:
-        @functools.wraps(forward)
-        def wrapped(self, *args, **kwargs):
-            with _LowestIndexTies():
-                return forward(self, *args, **kwargs)
+def _under_tie_rule(forward):
+    """``forward`` (the class's, or a function set on the instance by accelerate's hooks) run under the rule, its
+    signature kept (``functools.wraps``: :class:`NoHeadAttention` reads the indexer's to call it as its layer does)."""
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with _LowestIndexTies():
+            return forward(*args, **kwargs)
+
     setattr(wrapped, _TIE_RULE, True)
     return wrapped
 
@@ -1014,12 +1008,12 @@ def install_tie_rule(model):
         if not getattr(cls, _TIE_RULE, False):
             if cls not in _TIE_RULE_CLASSES:
                 _TIE_RULE_CLASSES[cls] = type(cls.__name__, (cls,), {
-                    "forward": _under_tie_rule(cls.forward, bound=False), _TIE_RULE: True,
+                    "forward": _under_tie_rule(cls.forward), _TIE_RULE: True,
                     "__module__": cls.__module__, "__qualname__": cls.__qualname__})
             module.__class__ = _TIE_RULE_CLASSES[cls]
         own = vars(module).get("forward")
         if own is not None and not getattr(own, _TIE_RULE, False):
-            module.forward = _under_tie_rule(own, bound=True)
+            module.forward = _under_tie_rule(own)
 
 
 class PrunedModel(_BASE):
