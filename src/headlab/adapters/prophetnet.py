@@ -45,7 +45,15 @@ PADDED_TARGETS_REFUSED = {"prophetnet": (
     "relative-position scores in an order that follows the padded length, so a padded target row's logits differ "
     "from the row's alone, and a batch of several sentences pads its targets")}
 """Model types whose decoder refuses padded target batches (:func:`check_target_padding`): what ``headlab analyze``
-says before any work where ``--batch-size`` is more than 1."""
+and ``headlab importance`` say before any work where ``--batch-size`` is more than 1."""
+
+
+def batch_size_problem(model_type: str | None, batch_size: int) -> str | None:
+    """Why ``--batch-size`` ``batch_size`` cannot run a model of ``model_type`` (:data:`PADDED_TARGETS_REFUSED`), or
+    None."""
+    if model_type not in PADDED_TARGETS_REFUSED or batch_size <= 1:
+        return None
+    return f"--batch-size {batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give --batch-size 1"
 _INSTALLED = "_headlab_float_masks"
 _CLASSES: dict[type, type] = {}
 

@@ -97,7 +97,7 @@ def _check_translation_options(args) -> None:
     if args.target is not None and not translates:  # as read_data says it
         raise HeadlabError(f"--target {args.target}: references are only used with translation (encoder-decoder) "
                            f"models; {args.model} " + ("is a sequence classifier" if classifier else "has one stack"))
-    _check_ablation_metric(args, translates, classifier)
+    _check_ablation_metric(args, translates, classifier, config.model_type)
     check_beam(args.beam, translates=translates, classifier=classifier, arch=config.model_type, model=args.model,
                option="--beam")
 
@@ -105,31 +105,24 @@ def _check_translation_options(args) -> None:
 def _check_padded_targets(args) -> None:
     """ProphetNet's decoder refuses padded target batches (headlab.adapters.prophetnet), which --batch-size over 1
     builds: refused from its config before the weights load, as analyze refuses it (before, at the first such batch)."""
-    from headlab.adapters.prophetnet import PADDED_TARGETS_REFUSED
+    from headlab.adapters.prophetnet import batch_size_problem
     from headlab.loading import load_config
 
     if args.batch_size > 1 and Path(args.model).is_dir():
         model_type = getattr(load_config(args.model, args.trust_remote_code), "model_type", None)
-        if model_type in PADDED_TARGETS_REFUSED:
-            raise HeadlabError(f"--batch-size {args.batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give "
-                               "--batch-size 1")
+        if problem := batch_size_problem(model_type, args.batch_size):
+            raise HeadlabError(problem)
 
 
-def _check_ablation_metric(args, translates: bool, classifier: bool) -> None:
-    """--metric bleu or accuracy for an ablation asked for by name (--method naming it; with "all" an ablation the
-    metric does not fit is skipped, as run_importance skips it) on a model or data it does not fit, refused from the
-    config before the weights load (as analyze's check_options_fit_model; before, once the model had loaded)."""
-    metric = getattr(args, "metric", "loss")
-    named = {m.strip() for m in str(args.method).split(",")}
-    if "ablation" not in named or metric == "loss":
-        return
-    if metric == "bleu" and (args.target is None or not translates):
-        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
-                           f"(--target); {'give --target FILE' if translates else f'{args.model} does not translate'}, "
-                           "or use --metric loss")
-    if metric == "accuracy" and not classifier:
-        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {args.model} "
-                           f"is none; use --metric loss{' or bleu' if translates else ''}")
+def _check_ablation_metric(args, translates: bool, classifier: bool, arch: str) -> None:
+    """--metric of an ablation asked for by name (--method naming it; with "all" an ablation the metric does not fit is
+    skipped, as run_importance skips it), refused from the config before the weights load by analyze's own check
+    (before, once the model had loaded)."""
+    from headlab.importance.config import check_ablation_metric
+
+    if "ablation" in {m.strip() for m in str(args.method).split(",")}:
+        check_ablation_metric(getattr(args, "metric", "loss"), translates=translates, classifier=classifier,
+                              has_target=args.target is not None, arch=arch, model=args.model)
 
 
 def _check_kinds_in_structure(args, kinds: tuple[str, ...]) -> None:

@@ -104,5 +104,21 @@ def check_beam(beam: object, *, translates: bool, classifier: bool, arch: str, m
                            f"translate; leave {option} out")
 
 
+def check_ablation_metric(metric: str, *, translates: bool, classifier: bool, has_target: bool, arch: str,
+                          model: str) -> None:
+    """Refuse an ablation metric the model or data cannot give: BLEU without a translation model and references,
+    accuracy off a sequence classifier. The one check of ``importance`` (``--method ablation``) and ``analyze``
+    (``--ablation``), before the weights load; ``arch``: the model's type (``gpt2``)."""
+    kind = "a sequence classifier" if classifier else "a translation model" if translates else (
+        f"a {arch} model that does not translate")
+    if metric == "bleu" and (not has_target or not translates):
+        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
+                           f"(--target); {'give --target FILE' if translates else f'{model} is {kind}'}, or use "
+                           "--metric loss")
+    if metric == "accuracy" and not classifier:
+        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {model} "
+                           f"is {kind}; use --metric loss{' or bleu' if translates else ''}")
+
+
 def _default(specs: list[OptionSpec], dest: str) -> object:
     return next(spec.default for spec in specs if spec.dest == dest)

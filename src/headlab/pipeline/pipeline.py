@@ -381,7 +381,7 @@ def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
     them themselves, after the stages before them had run (exit 1, perhaps hours later), or
     ignored them (``--beam`` of a model that does not translate)."""
     from headlab.checkpoint import model_class_for
-    from headlab.importance.config import check_beam
+    from headlab.importance.config import check_ablation_metric, check_beam
 
     classifier = model_class_for(model_config, f"{config.model}/config.json").__name__.endswith("ForSequenceClassification")
     translates = bool(getattr(model_config, "is_encoder_decoder", False)) and not classifier
@@ -393,13 +393,10 @@ def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
                            f"{config.model} is {kind}; leave --target out")
     check_beam(config.beam, translates=translates, classifier=classifier, arch=model_config.model_type,
                model=str(config.model), option="--beam")
-    if ablation and config.metric == "bleu" and (config.target is None or not translates):
-        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
-                           f"(--target); {'give --target FILE' if translates else f'{config.model} is {kind}'}, or use "
-                           "--metric loss")
-    if ablation and config.metric == "accuracy" and not classifier:
-        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {config.model} "
-                           f"is {kind}; use --metric loss{' or bleu' if translates else ''}")
+    if ablation:
+        check_ablation_metric(str(config.metric), translates=translates, classifier=classifier,
+                              has_target=config.target is not None, arch=model_config.model_type,
+                              model=str(config.model))
 
 
 def _read_checked(path: str, flag: str) -> list[str]:
@@ -546,12 +543,11 @@ class _Context:
         """ProphetNet's decoder refuses a padded target batch before it runs (headlab.adapters.prophetnet: its
         predicting streams compute a padded row apart from the row alone), which the importance stages build from
         every batch of several sentences: refused here, before the first stage's work, naming the option."""
-        from headlab.adapters.prophetnet import PADDED_TARGETS_REFUSED
+        from headlab.adapters.prophetnet import batch_size_problem
 
         model_type = getattr(getattr(self.load()[0], "config", None), "model_type", None)
-        if model_type in PADDED_TARGETS_REFUSED and self.config.batch_size > 1:
-            raise _Refused(f"--batch-size {self.config.batch_size}: {PADDED_TARGETS_REFUSED[model_type]}; give "
-                           "--batch-size 1")
+        if problem := batch_size_problem(model_type, self.config.batch_size):
+            raise _Refused(problem)
 
     def _check_block_sparse(self, data) -> None:
         """Block-sparse BigBird refuses, before its forward, every sentence of at most (5 + 2 x num_random_blocks) x
