@@ -1337,17 +1337,21 @@ class _Gate:
     :meth:`plain` computes it; calling it computes it with the backward of the LRP rules."""
 
     def __init__(self, concatenated: bool, act: nn.Module | None = None,
-                 limits: tuple[float, float] | None = None, clamp: tuple[float, str] | None = None) -> None:
+                 limits: tuple[float, float] | None = None, clamp: tuple[float, str] | None = None,
+                 softcaps: tuple[float, float] | None = None) -> None:
         self.concatenated, self.act, self.limits, self.clamp = concatenated, act, limits, clamp
+        self.softcaps = softcaps
 
     def describe(self) -> str:
         layout = "[gate; up]" if self.concatenated else "interleaved gate and up columns"
-        formula = _CLAMPED[self.clamp[1]] if self.clamp is not None else \
-            "act(gate) * up" if self.limits is None else "clamped (up + 1) * swiglu(gate)"
+        formula = _CLAMPED[self.clamp[1]] if self.clamp is not None else _SOFTCAPPED if self.softcaps is not None \
+            else "act(gate) * up" if self.limits is None else "clamped (up + 1) * swiglu(gate)"
         return f"{formula} ({layout})"
 
     def plain(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.softcaps is not None:
+            return _softcapped_gate(gate, up, *self.softcaps)
         if self.clamp is not None:
             assert self.act is not None
             return _clamped_gate_value(gate, up, self.act.forward, *self.clamp)  # forward: not the rule's hook
@@ -1360,6 +1364,8 @@ class _Gate:
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.softcaps is not None:
+            return _softcapped_rule(gate, up, *self.softcaps)
         if self.clamp is not None:
             assert self.act is not None
             return _clamped_gate_rule(gate, up, self.act, *self.clamp)
@@ -1405,6 +1411,38 @@ def _clamped_gate_rule(gate: torch.Tensor, up: torch.Tensor, act: nn.Module, bou
     if where == "act":
         a = cast(torch.Tensor, _ClampIdentity.apply(a, None, bound))
     return _product(a, cast(torch.Tensor, _ClampIdentity.apply(up, -bound, bound)))
+
+
+_SOFTCAPPED = "softcap(gate) * sigmoid(gate) * softcap(up)"
+"""Inkling2's ``Inkling2SoftcappedSwiGLU`` (its experts' ``act_fn``, transformers 5.24), ``softcap(x) = c tanh(x / c)``
+with a bound ``c`` of its own for the gate and for ``up`` (``gate_softcap``, ``up_softcap``)."""
+
+
+def _softcaps(act: Any) -> tuple[float, float] | None:
+    """``(gate bound, up bound)`` of an ``act_fn`` computing :data:`_SOFTCAPPED` from ``(gate, up)`` (children
+    ``gate_softcap`` and ``up_softcap``, each with a float ``softcap``), None for any other; the probe of
+    :func:`_probe_gate` checks that it computes that."""
+    bounds = [getattr(getattr(act, name, None), "softcap", None) for name in ("gate_softcap", "up_softcap")]
+    if not isinstance(act, nn.Module) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
+                                                 for b in bounds):
+        return None
+    return float(bounds[0]), float(bounds[1])
+
+
+def _softcapped_gate(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """:data:`_SOFTCAPPED`, the forward only (in the inputs' type: the module's ``float()`` is widened by LRP)."""
+    return gate_cap * torch.tanh(gate / gate_cap) * torch.sigmoid(gate) * (up_cap * torch.tanh(up / up_cap))
+
+
+def _softcapped_rule(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """:data:`_SOFTCAPPED` with the backward of the LRP rules: ``softcap(gate) * sigmoid(gate)`` and ``softcap(up)``
+    are each an element-wise function of one neuron, so the activation (identity) rule passes their relevance to
+    ``gate`` and ``up`` unchanged (Voita et al. 2019, App. A.2; AttnLRP's identity rule, Achtibat et al. 2024,
+    Sec. 3.3.1), and their product gets Ding et al.'s product rule (:func:`_product`), as every gated MLP's."""
+    with torch.no_grad():
+        a = gate_cap * torch.tanh(gate / gate_cap) * torch.sigmoid(gate)
+        b = up_cap * torch.tanh(up / up_cap)
+    return _product(_activation_rule(None, (gate,), a), _activation_rule(None, (up,), b))
 
 
 class _CalledSilu(nn.Module):
@@ -1491,7 +1529,11 @@ def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
     act = getattr(module, "act_fn", None)
     limits, bound = _limits(module), _clamp_bound(module)
     found = []
+    softcaps = _softcaps(act)
     for layout in (concatenated, not concatenated):  # the layout the module says it has first
+        if softcaps is not None:  # Inkling2's softcapped SwiGLU, act_fn(gate, up)
+            found.append(_Gate(layout, softcaps=softcaps))
+            continue
         if limits is not None:
             found.append(_Gate(layout, limits=limits))
         if bound is not None:  # its act_fn, or SiLU called as a function (HY-V4's and GLM-5-Next's experts: F.silu)
