@@ -255,9 +255,9 @@ def short_conv_problem(module: nn.Module) -> str | None:
         expected = expected * _output_scale(module, kernel)
     if not isinstance(output, torch.Tensor) or output.shape != expected.shape \
             or not torch.allclose(output, expected.to(output.dtype), rtol=1e-4, atol=1e-6):
-        scaled = " / sqrt(kernel + 1)" if type(module).__name__ in SCALED_SHORT_CONVS else ""
-        return (f"on a probe its forward is not (u + conv(u)){scaled} (a depthwise causal convolution added to its "
-                "input), the linear map whose ordinary backward conserves relevance")
+        formula = "(u + conv(u)) / sqrt(kernel + 1)" if type(module).__name__ in SCALED_SHORT_CONVS else "u + conv(u)"
+        return (f"on a probe its forward is not {formula} (a depthwise causal convolution added to its input), the "
+                "linear map whose ordinary backward conserves relevance")
     return None
 
 
