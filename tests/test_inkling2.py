@@ -19,12 +19,12 @@ module: ``block.application``), numbered as output_attentions lists the calls (a
 Before: both refused before any work (adapters.families.OUTPUT_GATES_REFUSED), every test here failing with the
 refusal. Now: analysed (capture equals output_attentions and a by-hand softmax with the bias and the sinks, in float64)
 and masked (equal to zeroing a key/value head's values, at one run of a loop layer only; gates at one change nothing).
-LRP (session 42; refused before any work in sessions 40 and 41, families.LRP_REFUSED): tests/test_lrp_inkling2.py. Physical pruning (session 41;
-before, refused before any work: families.PRUNING_REFUSED) slices each head's rows of q, the gate, ``sink_proj``,
-``relative_position_bias.linear`` and both norms' scales, and each key/value head's channels of the key/value short
-convolutions (static: the depthwise Conv1d's kernels; dynamic: ``static_weight``'s columns and ``weight_proj``'s kernel
-rows), setting the sub-modules' ``num_heads``; a loop layer's module is pruned as ALBERT's shared module, the same heads
-at each of its depths.
+LRP (session 42; refused before any work in sessions 40 and 41, families.LRP_REFUSED): tests/test_lrp_inkling2.py.
+Physical pruning (session 41; before, refused before any work: families.PRUNING_REFUSED) slices each head's rows of q,
+the gate, ``sink_proj``, ``relative_position_bias.linear`` and both norms' scales, and each key/value head's channels
+of the key/value short convolutions (static: the depthwise Conv1d's kernels; dynamic: ``static_weight``'s columns and
+``weight_proj``'s kernel rows), setting the sub-modules' ``num_heads``; a loop layer's module is pruned as ALBERT's
+shared module, the same heads at each of its depths.
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ The other rules become ordinary backward passes once the right factors are detac
   DeepSeek-V4's experts and MLPs) or ``clamp(act(gate), max=l) * clamp(up, -l, l)`` (Step-3.7's): the identity
   rule at each clamp (:class:`_ClampIdentity`), the activation and product rules (:func:`_clamped_gate_rule`,
   :func:`_dense_clamp`);
+* Inkling2's softcapped SwiGLU ``softcap(gate) sigmoid(gate) * softcap(up)`` (``softcap(x) = c tanh(x / c)``, its
+  experts' ``Inkling2SoftcappedSwiGLU``): the activation rule on each factor, a function of one neuron, and the product
+  rule (:func:`_softcapped_rule`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
   DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4, LFM2-MoE (SiLU a function call, probed: :class:`_CalledSilu`); DBRX's
   in three 2-d matrices): each expert is a gated MLP
@@ -90,7 +93,10 @@ The other rules become ordinary backward passes once the right factors are detac
   projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
   Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
-  (:mod:`headlab.importance.mixer_rules.inkling`).
+  (:mod:`headlab.importance.mixer_rules.inkling`). Inkling2's sinks, relative position bias and output gate, head rows
+  of its attention, are detached with the queries; its block attention residuals (attention over depth), dynamic
+  key/value convolutions and Inkling2-Loop's message gates hold their weights, taps and gates constant
+  (:mod:`headlab.importance.mixer_rules.inkling2`).
 
 * a map of each head's output between the attention function and the output projection
   (``adapters.families.HEAD_MAPS``: NeoMME's exclusive self-attention, ``y_i = o_i - tanh(alpha_h) (o_i . v^_i) v^_i``
