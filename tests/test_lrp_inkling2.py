@@ -95,6 +95,15 @@ def test_lrp_conserves_in_float64_after_physical_pruning(model_type, emptied):
 
 
 @pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_in_bfloat16_the_probes_leave_it_as_it_was_and_lrp_conserves(model_type):
+    """The experts' gate probe compares the softcapped SwiGLU as the module computes it (in float32, returned in
+    bfloat16); before, computed in bfloat16 it rounded apart and the experts were refused ("computes none of ...")."""
+    from support.lrp_families import check_probed_widened_and_left_as_it_was
+
+    check_probed_widened_and_left_as_it_was(build(model_type=model_type, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
 def test_the_rules_leave_the_forward_unchanged(model_type):
     check_rules_leave_the_forward_unchanged(_model(model_type), padded=True)
 

@@ -1436,8 +1436,11 @@ def _softcaps(act: Any) -> tuple[float, float] | None:
 
 
 def _softcapped_gate(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
-    """:data:`_SOFTCAPPED`, the forward only (in the inputs' type: the module's ``float()`` is widened by LRP)."""
-    return gate_cap * torch.tanh(gate / gate_cap) * torch.sigmoid(gate) * (up_cap * torch.tanh(up / up_cap))
+    """:data:`_SOFTCAPPED`, the forward only, computed as the module computes it: in at least float32, returned in the
+    inputs' type (a half-precision model's probe: :func:`_probe_gate`)."""
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    g, u = gate.to(wide), up.to(wide)
+    return (gate_cap * torch.tanh(g / gate_cap) * torch.sigmoid(g) * (up_cap * torch.tanh(u / up_cap))).to(gate.dtype)
 
 
 def _softcapped_rule(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
@@ -1656,7 +1659,7 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     gate = _probe_gate(module, candidates, apply_gate)
     if gate is None:
         return ("it applies its own gate (_apply_gate), which computes none of act_fn(gate) * up, GPT-OSS's "
-                f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())} on a probe")
+                f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())}, {_SOFTCAPPED} on a probe")
     return transposed, biases, gate
 
 
