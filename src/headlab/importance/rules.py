@@ -1429,10 +1429,10 @@ def _softcaps(act: Any) -> tuple[float, float] | None:
     ``gate_softcap`` and ``up_softcap``, each with a float ``softcap``), None for any other; the probe of
     :func:`_probe_gate` checks that it computes that."""
     bounds = [getattr(getattr(act, name, None), "softcap", None) for name in ("gate_softcap", "up_softcap")]
-    if not isinstance(act, nn.Module) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
-                                                 for b in bounds):
+    numbers = [float(b) for b in bounds if isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0]
+    if not isinstance(act, nn.Module) or len(numbers) != 2:
         return None
-    return float(bounds[0]), float(bounds[1])
+    return numbers[0], numbers[1]
 
 
 def _softcapped_gate(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
