@@ -19,12 +19,12 @@ module: ``block.application``), numbered as output_attentions lists the calls (a
 Before: both refused before any work (adapters.families.OUTPUT_GATES_REFUSED), every test here failing with the
 refusal. Now: analysed (capture equals output_attentions and a by-hand softmax with the bias and the sinks, in float64)
 and masked (equal to zeroing a key/value head's values, at one run of a loop layer only; gates at one change nothing).
-LRP is refused before any work, naming the parts it does not cover (families.LRP_REFUSED). Physical pruning (session 41;
-before, refused before any work: families.PRUNING_REFUSED) slices each head's rows of q, the gate, ``sink_proj``,
-``relative_position_bias.linear`` and both norms' scales, and each key/value head's channels of the key/value short
-convolutions (static: the depthwise Conv1d's kernels; dynamic: ``static_weight``'s columns and ``weight_proj``'s kernel
-rows), setting the sub-modules' ``num_heads``; a loop layer's module is pruned as ALBERT's shared module, the same heads
-at each of its depths.
+LRP (session 42; refused before any work in sessions 40 and 41, families.LRP_REFUSED): tests/test_lrp_inkling2.py.
+Physical pruning (session 41; before, refused before any work: families.PRUNING_REFUSED) slices each head's rows of q,
+the gate, ``sink_proj``, ``relative_position_bias.linear`` and both norms' scales, and each key/value head's channels
+of the key/value short convolutions (static: the depthwise Conv1d's kernels; dynamic: ``static_weight``'s columns and
+``weight_proj``'s kernel rows), setting the sub-modules' ``num_heads``; a loop layer's module is pruned as ALBERT's
+shared module, the same heads at each of its depths.
 """
 
 from __future__ import annotations
@@ -387,15 +387,6 @@ def test_a_loop_layer_pruned_otherwise_at_its_depths_is_refused_before_any_work(
 
 
 @pytest.mark.parametrize("model_type", TYPES)
-def test_lrp_is_refused_before_any_work_naming_the_parts_without_a_rule(model_type):
-    from headlab.importance.rules import check_rules
-
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*block "
-                                           r"attention residuals.*dynamic key/value short convolutions"):
-        check_rules(build(model_type=model_type))
-
-
-@pytest.mark.parametrize("model_type", TYPES)
 def test_converted_whole_to_float64_it_is_refused_saying_why(model_type):
     """model.double() makes its float32 router weights float64, and its forward's float32 product then fails: refused
     naming that (before: "cannot read the output width of Inkling2QueryProjection", from the name-based fallback)."""
@@ -434,8 +425,8 @@ def test_confidence_is_the_same_on_every_engine(model_type):
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_analyze_end_to_end(tmp_path, model_type):
-    """`headlab analyze --ablation` on a saved tiny model: every stage but LRP done (LRP refused, naming the parts),
-    a score row per depth (before: every stage refused with the model)."""
+    """`headlab analyze --ablation` on a saved tiny model: every stage done, LRP too (sessions 40 and 41: refused,
+    naming the block attention residuals), a score row per depth (before: every stage refused with the model)."""
     import json
 
     from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
@@ -444,8 +435,7 @@ def test_analyze_end_to_end(tmp_path, model_type):
     save_tiny(model, tmp_path / "model", treebank_files(tmp_path))
     code, stages = analyze(tmp_path / "model", tmp_path)
     for name in ANALYZE_STAGES:
-        if name != "lrp":
-            assert stages[name]["status"] == "done", stages[name]
-    assert "block attention residuals" in json.dumps(stages["lrp"]), stages["lrp"]
-    rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
-    assert [all(v is None for v in row) for row in rows] == [False] * len(DEPTHS[model_type])
+        assert stages[name]["status"] == "done", stages[name]
+    for measure in ("confidence", "lrp"):
+        rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
+        assert [all(v is None for v in row) for row in rows] == [False] * len(DEPTHS[model_type])

@@ -643,7 +643,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]
         family = dataclasses.replace(family, head_vectors=(*family.head_vectors, f"{path}.{vector}"),
                                      group_holders=(*family.group_holders, holder))
-    if model_type in LRP_REFUSED:  # Inkling2's: parts that no LRP rule covers
+    if model_type in LRP_REFUSED:  # parts that no LRP rule covers (none listed since session 42)
         family = dataclasses.replace(family, lrp_refused=LRP_REFUSED[model_type])
     if model_type in PRUNING_REFUSED:  # per-head parts that pruning does not slice (none listed since session 41)
         family = dataclasses.replace(family, prune_refused=PRUNING_REFUSED[model_type])

@@ -814,15 +814,11 @@ listed in session 40, are pruned (their per-head parts: :data:`QKV_HEAD_ROWS`, :
 module, run at several depths, as ALBERT's shared module: the same heads removed at each depth,
 :func:`headlab.surgery.check_shared_plan`)."""
 
-LRP_REFUSED: dict[str, str] = dict.fromkeys(
-    ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
-    "Inkling2's attention is analysed and masked, but LRP has no rule checked for two of its parts: its block attention "
-    "residuals (attention_input, mlp_input, final_input: learned queries attending, at each position, over the "
-    "states at earlier block boundaries, which mix the residual stream over depth with weights computed from it) "
-    "and its full-attention layers' dynamic key/value short convolutions (Inkling2DynamicShortConvolution: taps "
-    "static_weight + weight_proj(the layer's input), where Inkling's rule covers a static u + conv(u) only)")
+LRP_REFUSED: dict[str, str] = {}
 """Model types whose attention is analysed (and masked) but whose LRP is refused before any work, with why
-(``Family.lrp_refused`` of every block discovery finds in them)."""
+(``Family.lrp_refused`` of every block discovery finds in them). None since session 42: Inkling2 and Inkling2-Loop,
+listed from session 40 to 41 (no rule for their block attention residuals and dynamic key/value short convolutions),
+have their rules (:mod:`headlab.importance.mixer_rules.inkling2`)."""
 
 
 def unpruned_latent_reason(family: Family, core: Any) -> str | None:

@@ -491,8 +491,9 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     def no_head_probe(module, args, output):
         # A layer pruned to no head adds its output projection's bias without calling the projection
         # (ZeroHeadAttention): the same probe on that bias, on the layer's output. With the block's own
-        # output norm (ALBERT, which is never pruned) the bias is inside the norm: nothing to probe.
-        projection = getattr(module, module.o_name) if module.o_name else None
+        # output norm (ALBERT, which is never pruned) the bias is inside the norm: nothing to probe. The projection may
+        # lie deeper than a child (Inkling2's o_proj.linear; before, getattr of the dotted path failed there)
+        projection = module.get_submodule(module.o_name) if module.o_name else None
         if projection is None or module.norm or not isinstance(getattr(projection, "bias", None), torch.Tensor):
             return None
         out = probe(projection, args, output[0])

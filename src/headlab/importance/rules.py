@@ -53,6 +53,9 @@ The other rules become ordinary backward passes once the right factors are detac
   DeepSeek-V4's experts and MLPs) or ``clamp(act(gate), max=l) * clamp(up, -l, l)`` (Step-3.7's): the identity
   rule at each clamp (:class:`_ClampIdentity`), the activation and product rules (:func:`_clamped_gate_rule`,
   :func:`_dense_clamp`);
+* Inkling2's softcapped SwiGLU ``softcap(gate) sigmoid(gate) * softcap(up)`` (``softcap(x) = c tanh(x / c)``, its
+  experts' ``Inkling2SoftcappedSwiGLU``): the activation rule on each factor, a function of one neuron, and the product
+  rule (:func:`_softcapped_rule`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
   DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4, LFM2-MoE (SiLU a function call, probed: :class:`_CalledSilu`); DBRX's
   in three 2-d matrices): each expert is a gated MLP
@@ -90,7 +93,10 @@ The other rules become ordinary backward passes once the right factors are detac
   projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
   Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
-  (:mod:`headlab.importance.mixer_rules.inkling`).
+  (:mod:`headlab.importance.mixer_rules.inkling`). Inkling2's sinks, relative position bias and output gate, head rows
+  of its attention, are detached with the queries; its block attention residuals (attention over depth), dynamic
+  key/value convolutions and Inkling2-Loop's message gates hold their weights, taps and gates constant
+  (:mod:`headlab.importance.mixer_rules.inkling2`).
 
 * a map of each head's output between the attention function and the output projection
   (``adapters.families.HEAD_MAPS``: NeoMME's exclusive self-attention, ``y_i = o_i - tanh(alpha_h) (o_i . v^_i) v^_i``
@@ -1337,17 +1343,21 @@ class _Gate:
     :meth:`plain` computes it; calling it computes it with the backward of the LRP rules."""
 
     def __init__(self, concatenated: bool, act: nn.Module | None = None,
-                 limits: tuple[float, float] | None = None, clamp: tuple[float, str] | None = None) -> None:
+                 limits: tuple[float, float] | None = None, clamp: tuple[float, str] | None = None,
+                 softcaps: tuple[float, float] | None = None) -> None:
         self.concatenated, self.act, self.limits, self.clamp = concatenated, act, limits, clamp
+        self.softcaps = softcaps
 
     def describe(self) -> str:
         layout = "[gate; up]" if self.concatenated else "interleaved gate and up columns"
-        formula = _CLAMPED[self.clamp[1]] if self.clamp is not None else \
-            "act(gate) * up" if self.limits is None else "clamped (up + 1) * swiglu(gate)"
+        formula = _CLAMPED[self.clamp[1]] if self.clamp is not None else _SOFTCAPPED if self.softcaps is not None \
+            else "act(gate) * up" if self.limits is None else "clamped (up + 1) * swiglu(gate)"
         return f"{formula} ({layout})"
 
     def plain(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.softcaps is not None:
+            return _softcapped_gate(gate, up, *self.softcaps)
         if self.clamp is not None:
             assert self.act is not None
             return _clamped_gate_value(gate, up, self.act.forward, *self.clamp)  # forward: not the rule's hook
@@ -1360,6 +1370,8 @@ class _Gate:
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.softcaps is not None:
+            return _softcapped_rule(gate, up, *self.softcaps)
         if self.clamp is not None:
             assert self.act is not None
             return _clamped_gate_rule(gate, up, self.act, *self.clamp)
@@ -1405,6 +1417,41 @@ def _clamped_gate_rule(gate: torch.Tensor, up: torch.Tensor, act: nn.Module, bou
     if where == "act":
         a = cast(torch.Tensor, _ClampIdentity.apply(a, None, bound))
     return _product(a, cast(torch.Tensor, _ClampIdentity.apply(up, -bound, bound)))
+
+
+_SOFTCAPPED = "softcap(gate) * sigmoid(gate) * softcap(up)"
+"""Inkling2's ``Inkling2SoftcappedSwiGLU`` (its experts' ``act_fn``, transformers 5.24), ``softcap(x) = c tanh(x / c)``
+with a bound ``c`` of its own for the gate and for ``up`` (``gate_softcap``, ``up_softcap``)."""
+
+
+def _softcaps(act: Any) -> tuple[float, float] | None:
+    """``(gate bound, up bound)`` of an ``act_fn`` computing :data:`_SOFTCAPPED` from ``(gate, up)`` (children
+    ``gate_softcap`` and ``up_softcap``, each with a float ``softcap``), None for any other; the probe of
+    :func:`_probe_gate` checks that it computes that."""
+    bounds = [getattr(getattr(act, name, None), "softcap", None) for name in ("gate_softcap", "up_softcap")]
+    numbers = [float(b) for b in bounds if isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0]
+    if not isinstance(act, nn.Module) or len(numbers) != 2:
+        return None
+    return numbers[0], numbers[1]
+
+
+def _softcapped_gate(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """:data:`_SOFTCAPPED`, the forward only, computed as the module computes it: in at least float32, returned in the
+    inputs' type (a half-precision model's probe: :func:`_probe_gate`)."""
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    g, u = gate.to(wide), up.to(wide)
+    return (gate_cap * torch.tanh(g / gate_cap) * torch.sigmoid(g) * (up_cap * torch.tanh(u / up_cap))).to(gate.dtype)
+
+
+def _softcapped_rule(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """:data:`_SOFTCAPPED` with the backward of the LRP rules: ``softcap(gate) * sigmoid(gate)`` and ``softcap(up)``
+    are each an element-wise function of one neuron, so the activation (identity) rule passes their relevance to
+    ``gate`` and ``up`` unchanged (Voita et al. 2019, App. A.2; AttnLRP's identity rule, Achtibat et al. 2024,
+    Sec. 3.3.1), and their product gets Ding et al.'s product rule (:func:`_product`), as every gated MLP's."""
+    with torch.no_grad():
+        a = gate_cap * torch.tanh(gate / gate_cap) * torch.sigmoid(gate)
+        b = up_cap * torch.tanh(up / up_cap)
+    return _product(_activation_rule(None, (gate,), a), _activation_rule(None, (up,), b))
 
 
 class _CalledSilu(nn.Module):
@@ -1491,7 +1538,11 @@ def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
     act = getattr(module, "act_fn", None)
     limits, bound = _limits(module), _clamp_bound(module)
     found = []
+    softcaps = _softcaps(act)
     for layout in (concatenated, not concatenated):  # the layout the module says it has first
+        if softcaps is not None:  # Inkling2's softcapped SwiGLU, act_fn(gate, up)
+            found.append(_Gate(layout, softcaps=softcaps))
+            continue
         if limits is not None:
             found.append(_Gate(layout, limits=limits))
         if bound is not None:  # its act_fn, or SiLU called as a function (HY-V4's and GLM-5-Next's experts: F.silu)
@@ -1608,7 +1659,7 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     gate = _probe_gate(module, candidates, apply_gate)
     if gate is None:
         return ("it applies its own gate (_apply_gate), which computes none of act_fn(gate) * up, GPT-OSS's "
-                f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())} on a probe")
+                f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())}, {_SOFTCAPPED} on a probe")
     return transposed, biases, gate
 
 

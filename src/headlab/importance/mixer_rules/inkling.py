@@ -252,11 +252,22 @@ def short_conv_problem(module: nn.Module) -> str | None:
             output = None
         kernel = conv.weight.shape[-1]
         expected = u + F.conv1d(F.pad(u.transpose(1, 2), (kernel - 1, 0)), conv.weight, groups=width).transpose(1, 2)
+        expected = expected * _output_scale(module, kernel)
     if not isinstance(output, torch.Tensor) or output.shape != expected.shape \
             or not torch.allclose(output, expected.to(output.dtype), rtol=1e-4, atol=1e-6):
-        return ("on a probe its forward is not u + conv(u) (a depthwise causal convolution added to its input), the "
+        formula = "(u + conv(u)) / sqrt(kernel + 1)" if type(module).__name__ in SCALED_SHORT_CONVS else "u + conv(u)"
+        return (f"on a probe its forward is not {formula} (a depthwise causal convolution added to its input), the "
                 "linear map whose ordinary backward conserves relevance")
     return None
+
+
+SCALED_SHORT_CONVS = frozenset({"Inkling2ShortConvolution", "Inkling2LoopShortConvolution"})
+"""Inkling2's (and Inkling2-Loop's) static short convolutions: Inkling's ``u + conv(u)`` divided by
+``sqrt(kernel + 1)`` (transformers 5.24, ``Inkling2ShortConvolution.forward``), still linear in ``u``."""
+
+
+def _output_scale(module: nn.Module, kernel: int) -> float:
+    return (kernel + 1) ** -0.5 if type(module).__name__ in SCALED_SHORT_CONVS else 1.0
 
 
 # The module-level functions are looked up at call time, so that a test may replace one.
