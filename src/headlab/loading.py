@@ -36,6 +36,7 @@ from headlab.checkpoint import (
     model_class_for,
     one_line,
     read_config,
+    record_from_plan,
     record_from_weights,
     tensor_shapes,
 )
@@ -186,8 +187,9 @@ def load_model(
         # names): tensors it renames when it loads (DeepSeek-V4's attn.wo_a, saved by transformers under those names)
         raise HeadlabError(f"{name_or_path}: the weights do not match its config.json: "
                            f"{'; '.join(_mismatches(reports)) or one_line(error)} (if it is a pruned model re-saved by "
-                           "transformers under the original checkpoint's tensor names, headlab cannot read its heads "
-                           "back from them: load the directory headlab saved, headlab.save_pruned's)") from None
+                           "transformers under the original checkpoint's tensor names without the plan headlab keeps in "
+                           f"config.json, {PLAN_KEY}, headlab cannot read its heads back from them: load the directory "
+                           "headlab saved, headlab.save_pruned's)") from None
     except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
     except ImportError as error:  # a quantizer's package (bitsandbytes, gptqmodel ...) or a kernel not installed
@@ -285,7 +287,9 @@ def _mismatches(reports: list[str]) -> list[str]:
 def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
     # a re-save through pruned_heads.py keeps the plan, which names the kept heads in their original numbering
     plan = getattr(getattr(structure, "config", None), PLAN_KEY, None)
-    record = record_from_weights(structure, shapes, plan if isinstance(plan, dict) else None)
+    plan = plan if isinstance(plan, dict) else None
+    # weights under the checkpoint's own tensor names (Inkling2's, converted by transformers): the plan alone
+    record = record_from_weights(structure, shapes, plan) or record_from_plan(structure, shapes, plan)
     return None if record is None else {"format": FORMAT_VERSION, **record}
 
 
