@@ -141,3 +141,19 @@ def test_flattened_rows_are_tokens_only_when_they_are_all_of_them():
     assert tokens.per_token(torch.Size([36])) and tokens.per_token(torch.Size([20])) and tokens.per_token(torch.Size([4]))
     assert not tokens.per_token(torch.Size([16])) and not tokens.per_token(torch.Size([8]))  # multiples of 4, subsets
     assert tokens.per_token(torch.Size([4, 7])) and not tokens.per_token(torch.Size([3, 7]))  # led by the batch
+
+
+def test_xmods_adapter_of_a_language_no_sentence_is_in_runs_on_no_row():
+    """X-MOD runs each language's adapter on the sentences in that language (``hidden_states[lang_mask]``): the
+    others' on ``[0, seq, d]``, whose probes hold no row to check (the family sweep: before the check skipped them,
+    a RuntimeError from max() of an empty tensor). All sentences in the default language: conserved."""
+    import transformers as tf
+
+    config = tf.XmodConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=37, max_position_embeddings=64, pad_token_id=0,
+                           languages=["en_XX", "de_DE"], default_language="en_XX")
+    torch.manual_seed(0)
+    model = tf.XmodForMaskedLM(config).eval().double()
+    data, info = lrp_data(model)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
