@@ -494,6 +494,51 @@ def test_prune_training_commands_refuse_a_tokenizer_of_a_bigger_vocabulary(comma
     assert not files_under(tmp_path / "o")
 
 
+@pytest.mark.parametrize("command", ["functions", "prune"])
+def test_another_models_tokenizer_of_no_larger_vocabulary_is_refused_before_the_weights_load(
+        command, inputs, tmp_path, capsys, monkeypatch):
+    """Regression (session 42): `--tokenizer DIR` of another vocabulary no larger than the model's embeddings (here
+    the model's own words, numbered in reverse) was accepted, with no word: every id then meant another token to the
+    model. Refused before the weights load, naming both tokenizers and the first token whose id differs."""
+    from support.bad_input import WORDS
+    from support.treebank import word_tokenizer
+
+    foreign = tmp_path / "foreign"
+    word_tokenizer(list(reversed(WORDS + ["do", "n't"]))).save_pretrained(foreign)
+    forbid_model_loading(monkeypatch)
+    if command == "functions":
+        args = _functions(inputs, tmp_path / "o", "--tokenizer", str(foreign))
+    else:
+        source = str(inputs / "src.txt")
+        args = ["prune", "train", str(inputs / "model"), "--keep", "2", "--tokenizer", str(foreign), "--train-src",
+                source, "--train-tgt", source, "--valid-src", source, "--valid-tgt", source, "--no-progress", "--out",
+                str(tmp_path / "o")]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    first = WORDS[0]  # the model's id 3 (after <pad>, </s>, <unk>), the last id in the reversed vocabulary
+    assert re.search(rf"--tokenizer {re.escape(str(foreign))}: its vocabulary is not that of the model's own tokenizer "
+                     rf"\({re.escape(str(inputs / 'model'))}\): '{re.escape(first)}' is id \d+ in it and id 3 in the "
+                     r"model's, so the model would read its ids as other tokens", err), err
+    assert not files_under(tmp_path / "o")
+
+
+def test_a_copy_of_the_models_own_tokenizer_is_accepted(inputs, tmp_path):
+    """Its files elsewhere, a pad token added: the same ordinary vocabulary, accepted; a model directory without a
+    tokenizer takes any (--tokenizer is its only one)."""
+    import transformers
+
+    from headlab.loading import check_same_vocabulary, load_tokenizer
+
+    copy = tmp_path / "copy"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(inputs / "model")
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(copy)
+    check_same_vocabulary(load_tokenizer(str(copy)), str(copy), str(inputs / "model"))
+    bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
+    check_same_vocabulary(load_tokenizer(str(copy)), str(copy), str(bare))
+
+
 @pytest.mark.parametrize("content", ['{"pid": "x"}', "[1, 2]", ""])
 def test_garbage_lock_is_held_for_a_while_then_taken_over(content, tmp_path):
     path = tmp_path / LOCK_FILE

@@ -372,11 +372,14 @@ def test_analyze_end_to_end(tmp_path):
         assert [all(v is None for v in row) for row in rows] == [False] * 3, measure
 
 
-def test_a_pruned_model_resaved_under_the_checkpoints_names_is_refused_naming_the_tensors(tmp_path):
+def test_a_pruned_model_resaved_under_the_checkpoints_names_loads_from_its_plan(tmp_path):
     """transformers saves DeepSeek-V4 under its checkpoint's tensor names (attn.wo_a, ...): a pruned model reloaded with
-    plain transformers and re-saved has weights whose names headlab cannot read its kept heads from. load_model names
-    the tensors whose shapes differ (before: transformers' RuntimeError pointing to a report headlab had filtered)."""
-    import transformers as tf
+    plain transformers and re-saved has weights whose names headlab cannot read its kept heads from. The config's plan
+    (headlab_pruned, which the re-save through pruned_heads.py keeps) names them, the weights must fit it: the saved
+    model (checkpoint.record_from_plan; before session 42, refused as weights not matching the config).
+    Without the plan, load_model names the tensors whose shapes differ (before: transformers' RuntimeError pointing to
+    a report headlab had filtered)."""
+    import json
 
     from headlab import save_pruned
     from headlab.loading import load_model
@@ -386,6 +389,17 @@ def test_a_pruned_model_resaved_under_the_checkpoints_names_is_refused_naming_th
     save_pruned(model, tmp_path / "pruned")
     tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
         tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [b.n_heads for b in attention_blocks(loaded)] == [HEADS, HEADS - 2, HEADS - 2]
+    inputs = tiny_inputs()
+    # as headlab's own directory loads, to the bit (the model in memory, built in float64, differs by float32's rounding)
+    assert torch.equal(logits(loaded, inputs), logits(load_model(str(tmp_path / "pruned")), inputs))
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), atol=1e-6, rtol=0)
+    config_path = tmp_path / "resaved" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["headlab_pruned"], config["auto_map"]
+    config["architectures"] = ["DeepseekV4ForCausalLM"]
+    config_path.write_text(json.dumps(config))
     with pytest.raises(HeadlabError, match=r"resaved: the weights do not match its config\.json: .*"
                                            r"self_attn\.q_b_proj\.weight: weights \[32, 16\], model \[64, 16\].* "
                                            r"\(if it is a pruned model re-saved by transformers"):

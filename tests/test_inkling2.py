@@ -439,3 +439,57 @@ def test_analyze_end_to_end(tmp_path, model_type):
     for measure in ("confidence", "lrp"):
         rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
         assert [all(v is None for v in row) for row in rows] == [False] * len(DEPTHS[model_type])
+
+
+@pytest.mark.parametrize("case", ["partial", "full layer emptied"])
+def test_a_pruned_directory_re_saved_by_transformers_loads_as_saved(tmp_path, case):
+    """A user loads headlab's directory with plain transformers (pruned_heads.py) and saves it again: the weights
+    are stored under Inkling2's checkpoint names (transformers converts ``model.layers.N.self_attn.q_proj.linear`` to
+    ``model.llm.layers.N.attn.wq_du`` on saving), where no head can be read off a module's shape, and there is no
+    headlab_pruning.json; config.json keeps the plan (``headlab_pruned``), which names the kept heads, and the weights
+    must fit it. Before (session 42): refused, "the weights do not match its config.json ... if it is a pruned model
+    re-saved by transformers under the original checkpoint's tensor names, headlab cannot read its heads back"."""
+    import transformers as tf
+
+    from headlab import load_pruned, save_pruned
+    from headlab.loading import load_model
+    from support.family_matrix import padded_logits
+
+    spec, left = PRUNINGS[case]
+    model = build()
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    assert not (tmp_path / "resaved" / "headlab_pruning.json").exists()
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [b.n_heads for b in attention_blocks(loaded)] == left
+    ids, mask = _padded_ids()
+    assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
+    with pytest.raises(HeadlabError, match=r"no headlab_pruning.json; its config.json holds a pruned model's plan "
+                                           r"\(headlab_pruned\): a directory headlab saved, re-saved by transformers .* "
+                                           r"load it with headlab.load_model"):
+        load_pruned(tmp_path / "resaved")
+
+
+def test_a_re_saved_directory_whose_plan_does_not_fit_its_weights_is_refused(tmp_path):
+    """The plan names three heads kept in layer 0 where the weights hold two: refused, naming the tensors."""
+    import json
+
+    import transformers as tf
+
+    from headlab import save_pruned
+    from headlab.loading import load_model
+
+    model = build()
+    prune_heads(model, PRUNINGS["partial"][0])
+    save_pruned(model, tmp_path / "pruned")
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    config_path = tmp_path / "resaved" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["headlab_pruned"]["kept"]["model.layers.0.self_attn"] = [[1, 2, 3], [0, 1], 4]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(HeadlabError, match=r"weights do not match the heads its config.json's headlab_pruned or the "
+                                           r"weights' shapes name \(no headlab_pruning.json\): .*k_proj.linear.weight"):
+        load_model(str(tmp_path / "resaved"))

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
-from headlab import attention_blocks
+from headlab import HeadlabError, attention_blocks
 from headlab.capture import capture_attention
 from headlab.portable_code import install_tie_rule, is_indexer, stable_topk
 from support.family_matrix import logits
@@ -97,3 +98,61 @@ def test_a_forward_set_on_the_instance_keeps_the_rule():
     attention_blocks(model)
     padded, alone = _padded_and_alone(model)
     torch.testing.assert_close(padded, alone, atol=1e-6, rtol=0)
+
+
+# A model's own indexer classes (trust_remote_code: defined in its modeling file, not in transformers.models): classes
+# defined here stand in for them, on GLM-MoE-DSA's layers.
+class GlmMoeDsaOwnIndexer(GlmMoeDsaIndexer):
+    """A remote modeling file's copy of the indexer: its own class, transformers' computation (``topk``)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class SortingIndexer(GlmMoeDsaIndexer):
+    """An own indexer that keeps its keys by an argsort of the index scores, which the tie rule does not reach."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        scores = hidden_states[..., :1].expand(*hidden_states.shape[:-1], hidden_states.shape[1])
+        return scores.argsort(-1, descending=True)[..., :TOPK].to(torch.int32)
+
+
+class PositionIndexer(torch.nn.Module):
+    """Named an indexer, selecting nothing."""
+
+    def forward(self, x):
+        return torch.arange(x.shape[1])
+
+
+def _with_own_indexers(cls) -> torch.nn.Module:
+    model = _all_tied("glm_moe_dsa")
+    for module in model.modules():
+        if isinstance(module, GlmMoeDsaIndexer):  # transformers' class, or headlab's over it
+            module.__class__ = cls
+    return model
+
+
+def test_a_models_own_indexer_gets_the_tie_rule():
+    """Before (session 42): only transformers' classes were swapped, and a remote-code indexer broke its ties by the
+    tensor's length: the padded row's logits were 0.091 from the row alone's."""
+    model = _with_own_indexers(GlmMoeDsaOwnIndexer)
+    attention_blocks(model)
+    indexers = [m for m in model.modules() if isinstance(m, GlmMoeDsaOwnIndexer)]
+    assert indexers and all(is_indexer(m) and type(m).__mro__[1] is GlmMoeDsaOwnIndexer for m in indexers)
+    padded, alone = _padded_and_alone(model)
+    torch.testing.assert_close(padded, alone, atol=1e-6, rtol=0)
+
+
+def test_an_own_indexer_that_selects_otherwise_is_refused():
+    model = _with_own_indexers(SortingIndexer)
+    with pytest.raises(HeadlabError, match=r"the sparse-attention indexer SortingIndexer \(model.layers.0.self_attn."
+                                           r"indexer, the model's own code, [\w.]*test_selection_ties\) selects its "
+                                           r"keys with argsort, not topk"):
+        attention_blocks(model)
+    assert not any(getattr(type(m), "_headlab_lowest_index_ties", False) for m in model.modules())  # none changed
+
+
+def test_an_own_module_named_indexer_that_selects_nothing_is_left_alone():
+    module = PositionIndexer()
+    install_tie_rule(module)
+    assert not is_indexer(module) and type(module) is PositionIndexer

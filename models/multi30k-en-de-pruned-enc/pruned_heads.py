@@ -29,7 +29,9 @@ import importlib
 import inspect
 import json
 import os
+import sys
 import threading
+import types
 
 import torch
 import transformers
@@ -991,16 +993,66 @@ def _under_tie_rule(forward):
     return wrapped
 
 
+# A model's own indexers (trust_remote_code: its modeling file in the HF modules cache, DeepSeek-V3.2's own code) are
+# no class of ``transformers.models``: one named ``...Indexer`` whose code calls ``topk`` gets the rule as well; one
+# that selects otherwise (a sort, an argsort, kthvalue), which the rule does not reach, is refused.
+_OTHER_SELECTIONS = ("sort", "argsort", "msort", "kthvalue")
+
+
+def _code_names(cls):
+    """The names the code of ``cls.forward`` uses, and that of what it calls by name: the methods of ``cls`` and of its
+    bases (``torch.nn``'s aside: ``super().forward``), nested functions, and the functions of their modules
+    (``x.topk``, ``torch.topk``: topk)."""
+    classes = [klass for klass in cls.__mro__ if not klass.__module__.startswith(("torch.", "builtins"))]
+    names, seen, stack = set(), set(), [getattr(cls, "forward", None)]
+    while stack:
+        value = stack.pop()
+        code = value if isinstance(value, types.CodeType) else getattr(inspect.unwrap(value), "__code__", None) \
+            if callable(value) else None
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        names.update(code.co_names)
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+        stack.extend(vars(klass)[name] for klass in classes for name in code.co_names if name in vars(klass))
+        module = sys.modules.get(getattr(value, "__module__", None) or "")
+        if module is not None:  # the module's functions it calls
+            stack.extend(f for name, f in vars(module).items()
+                         if name in code.co_names and isinstance(f, types.FunctionType))
+    return names
+
+
+def _own_indexer_selection(cls):
+    """For a model's own class named ``...Indexer`` (not transformers'): ``"topk"`` when its code calls topk, the
+    other selection it calls (:data:`_OTHER_SELECTIONS`) when it calls none, None when it selects nothing."""
+    if not cls.__name__.endswith("Indexer") or cls.__module__.startswith("transformers.models."):
+        return None
+    names = _code_names(cls)
+    return "topk" if "topk" in names else next((name for name in _OTHER_SELECTIONS if name in names), None)
+
+
 def is_indexer(module):
-    """A key selector of transformers' sparse attentions (a class of ``transformers.models`` named ``...Indexer``)."""
+    """A key selector of a sparse attention: a class of ``transformers.models`` named ``...Indexer``, or a model's
+    own class so named whose code calls ``topk`` (remote code)."""
     cls = type(module)
-    return cls.__name__.endswith("Indexer") and cls.__module__.startswith("transformers.models.")
+    if cls.__name__.endswith("Indexer") and cls.__module__.startswith("transformers.models."):
+        return True
+    return _own_indexer_selection(cls) == "topk"
 
 
 def install_tie_rule(model):
     """Make every indexer of ``model`` (once) break its top-k ties toward the lowest index (above): its class becomes
     a subclass of the same name, no hook (so that headlab's hooks come off as they went on); a forward set on the
-    instance (accelerate's hooks, which would skip the class's) is wrapped likewise."""
+    instance (accelerate's hooks, which would skip the class's) is wrapped likewise. A model's own indexer that
+    selects by another means than topk is refused (ValueError), before any is changed."""
+    for name, module in model.named_modules():
+        selection = _own_indexer_selection(type(module))
+        if selection is not None and selection != "topk":
+            raise ValueError(
+                f"the sparse-attention indexer {type(module).__name__} ({name}, the model's own code, "
+                f"{type(module).__module__}) selects its keys with {selection}, not topk: headlab gives tied index "
+                "scores the lowest keys (the same selection for a sentence alone and in any padded batch) only "
+                "through topk, and without it the keys kept would depend on the batch; refused")
     for module in model.modules():
         if not is_indexer(module):
             continue

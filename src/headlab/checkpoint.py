@@ -38,8 +38,8 @@ from headlab.heads import KINDS, kv_heads_kept
 from headlab.portable import CLASS_NAME
 
 __all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "config_for", "check_fits_weights", "model_class_for",
-           "named_model_class", "one_line", "read_config", "read_weights", "record_from_weights", "stored_dtypes",
-           "tensor_shapes", "validate_record"]
+           "named_model_class", "one_line", "read_config", "read_weights", "record_from_plan", "record_from_weights",
+           "stored_dtypes", "tensor_shapes", "validate_record"]
 
 # Model classes to try, most specific head first: analyses need an LM head when there is one.
 _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
@@ -546,6 +546,36 @@ def _record_block(block, plan: dict | None, n_q: int, n_kv: int, numbering: dict
     numbering[how].append(f"{block.kind}:{block.layer}")
     blocks.setdefault(block.kind, {})[str(block.layer)] = {
         "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
+
+
+def record_from_plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], plan: dict | None) -> dict | None:
+    """A pruning record for an unpruned ``model`` (its config) from ``plan`` alone (the config's ``headlab_pruned``),
+    where the weights are stored under the original checkpoint's tensor names (transformers converts them on saving:
+    Inkling2's ``model.llm.layers.N.attn.wq_du``), none of the attention's output projections under the model's, so
+    that :func:`record_from_weights` cannot read the heads off them: a pruned directory re-saved by transformers
+    through pruned_heads.py. None when the weights are named as the model's modules or the plan names no block's
+    kept heads. Loading checks the record against the weights (a tensor of another shape is refused), so the model
+    built is the saved one or none."""
+    if not isinstance(plan, dict) or not isinstance(plan.get("kept"), dict):
+        return None
+    found_blocks = attention_blocks(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    if any(f"{names[id(b.o)]}.weight" in shapes for b in found_blocks if b.o is not None):
+        return None  # named as the model's modules: record_from_weights reads the shapes
+    blocks: dict[str, dict] = {}
+    for block in found_blocks:
+        entry = plan["kept"].get(block.name)
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                and isinstance(entry[1], list)):
+            continue
+        found = _kept_from_plan(plan, block, len(entry[0]), len(entry[1]))
+        if found is not None:
+            blocks.setdefault(block.kind, {})[str(block.layer)] = {
+                "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
+    if not blocks:
+        return None
+    return {"blocks": blocks, "numbering": {"original": [f"{kind}:{layer}" for kind, layers in blocks.items()
+                                                         for layer in layers]}}
 
 
 def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], plan: dict | None = None) -> dict | None:

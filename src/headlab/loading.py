@@ -36,6 +36,7 @@ from headlab.checkpoint import (
     model_class_for,
     one_line,
     read_config,
+    record_from_plan,
     record_from_weights,
     tensor_shapes,
 )
@@ -186,8 +187,9 @@ def load_model(
         # names): tensors it renames when it loads (DeepSeek-V4's attn.wo_a, saved by transformers under those names)
         raise HeadlabError(f"{name_or_path}: the weights do not match its config.json: "
                            f"{'; '.join(_mismatches(reports)) or one_line(error)} (if it is a pruned model re-saved by "
-                           "transformers under the original checkpoint's tensor names, headlab cannot read its heads "
-                           "back from them: load the directory headlab saved, headlab.save_pruned's)") from None
+                           "transformers under the original checkpoint's tensor names without the plan headlab keeps in "
+                           f"config.json, {PLAN_KEY}, headlab cannot read its heads back from them: load the directory "
+                           "headlab saved, headlab.save_pruned's)") from None
     except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
     except ImportError as error:  # a quantizer's package (bitsandbytes, gptqmodel ...) or a kernel not installed
@@ -285,7 +287,9 @@ def _mismatches(reports: list[str]) -> list[str]:
 def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
     # a re-save through pruned_heads.py keeps the plan, which names the kept heads in their original numbering
     plan = getattr(getattr(structure, "config", None), PLAN_KEY, None)
-    record = record_from_weights(structure, shapes, plan if isinstance(plan, dict) else None)
+    plan = plan if isinstance(plan, dict) else None
+    # weights under the checkpoint's own tensor names (Inkling2's, converted by transformers): the plan alone
+    record = record_from_weights(structure, shapes, plan) or record_from_plan(structure, shapes, plan)
     return None if record is None else {"format": FORMAT_VERSION, **record}
 
 
@@ -521,6 +525,61 @@ def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") ->
                 f"vocabulary of {size} embeddings (ids 0..{size - 1}); use the tokenizer the model was trained "
                 "with, or give it a token the model knows (tokenizer.pad_token = tokenizer.eos_token) or "
                 "resize the model's embeddings (model.resize_token_embeddings)")
+
+
+def check_given_tokenizer(tokenizer, tokenizer_path: str | None, model_path: str, name: str,
+                          trust_remote_code: bool = False) -> None:
+    """The checks of a command's tokenizer (``--tokenizer``, or the model directory's own when None), before the
+    weights load: :func:`check_tokenizer_fits` against the config's vocabulary, then :func:`check_same_vocabulary`.
+    ``name``: the model as the refusals name it."""
+    check_tokenizer_fits(tokenizer, load_config(model_path, trust_remote_code), name)
+    check_same_vocabulary(tokenizer, tokenizer_path, model_path, trust_remote_code)
+
+
+def _base_vocabulary(tokenizer) -> dict[str, int]:
+    """Token -> id of the tokenizer's ordinary vocabulary, its added tokens aside (they differ between copies of one
+    vocabulary: a pad token added by a user)."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return {token: index for token, index in tokenizer.get_vocab().items() if token not in added}
+
+
+def _first_disagreement(given: dict[str, int], own: dict[str, int]) -> tuple[str, int | None, int | None] | None:
+    """``(token, its id in given, its id in own)`` for the first token, in the model's own ids' order (then the given
+    one's), whose id the two vocabularies do not agree on (None where a vocabulary lacks it); None if they agree."""
+    for token, index in sorted(own.items(), key=lambda item: item[1]):
+        if given.get(token) != index:
+            return token, given.get(token), index
+    return next(((token, index, None) for token, index in sorted(given.items(), key=lambda item: item[1])
+                 if token not in own), None)
+
+
+def check_same_vocabulary(tokenizer, tokenizer_path: str | None, model_path: str,
+                          trust_remote_code: bool = False) -> None:
+    """Refuse ``--tokenizer`` (``tokenizer``, read from ``tokenizer_path``) when the model's directory has a tokenizer
+    of its own whose ordinary vocabulary (token -> id, added tokens aside) is not the same: every id would mean
+    another token to the model, with no error (:func:`check_tokenizer_fits` refuses a larger vocabulary only). A copy
+    of the model's own (its files elsewhere) passes; a model directory without a tokenizer, for which --tokenizer is
+    the only one, is not checked. There is no override: a model reads ids as the tokenizer it was trained with gives
+    them."""
+    model_dir = Path(model_path)
+    if tokenizer_path is None or not model_dir.is_dir() \
+            or os.path.realpath(tokenizer_path) == os.path.realpath(model_dir) \
+            or not any(next(model_dir.glob(pattern), None) for pattern in _TOKENIZER_FILES):
+        return
+    own = load_tokenizer(model_path, trust_remote_code)
+    found = _first_disagreement(_base_vocabulary(tokenizer), _base_vocabulary(own))
+    if found is None:
+        return
+    token, given, theirs = found
+
+    def where(index: int | None) -> str:
+        return "absent" if index is None else f"id {index}"
+
+    raise HeadlabError(
+        f"--tokenizer {tokenizer_path}: its vocabulary is not that of the model's own tokenizer ({model_path}): "
+        f"{token!r} is {where(given)} in it and {where(theirs)} in the model's, so the model would read its ids as "
+        "other tokens, with no error; leave out --tokenizer to use the model's own (a copy of it, the same tokens "
+        "and ids, is accepted)")
 
 
 # -- where the weights go: --device, --dtype, --device-map ----------------------------------

@@ -63,7 +63,7 @@ from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, kv_heads_kept, readable_as_umask_allows, write_json
 from headlab.options import checked_keywords
-from headlab.portable import PRUNING_FILE, check_pruned_numbering, make_portable, restore_original_config
+from headlab.portable import PLAN_KEY, PRUNING_FILE, check_pruned_numbering, make_portable, restore_original_config
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
@@ -2024,6 +2024,21 @@ def _refuse_peft(model: nn.Module) -> None:
         "merge_and_unload()), or save the adapter with its own save_pretrained and the model after unload()")
 
 
+def _record_name(path: str | os.PathLike) -> str:
+    """Where the pruning record of the directory ``path`` comes from, as a refusal names it."""
+    if (Path(path) / PRUNING_FILE).is_file():
+        return PRUNING_FILE
+    return f"the heads its config.json's {PLAN_KEY} or the weights' shapes name (no {PRUNING_FILE})"
+
+
+def _holds_plan(path: Path) -> bool:
+    """Whether ``path``'s config.json holds the plan save_pruned writes for pruned_heads.py (``headlab_pruned``)."""
+    try:
+        return isinstance(json.loads((path / "config.json").read_text(encoding="utf-8")).get(PLAN_KEY), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, trust_remote_code: bool = False,
                 record: Mapping | None = None, **config_overrides) -> nn.Module:
     """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
@@ -2044,9 +2059,13 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     record_path = path / PRUNING_FILE
     source = str(record_path)
     if record is not None:
-        source = f"{path} (heads read from the weights' shapes)"
+        source = f"{path} (heads read from the weights' shapes or config.json's {PLAN_KEY})"
     elif not record_path.is_file():
-        raise HeadlabError(f"{path}: no {PRUNING_FILE}; is this a directory written by save_pruned?")
+        raise HeadlabError(f"{path}: no {PRUNING_FILE}; " + (
+            f"its config.json holds a pruned model's plan ({PLAN_KEY}): a directory headlab saved, re-saved by "
+            "transformers (save_pretrained writes no record): load it with headlab.load_model, which reads the "
+            "kept heads back from the plan and the weights, as headlab's commands do" if _holds_plan(path)
+            else "is this a directory written by save_pruned?"))
     else:
         try:
             record = json.loads(record_path.read_text(encoding="utf-8"))
@@ -2073,7 +2092,7 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
         try:
             missing, unexpected = model.load_state_dict(state, strict=False)
         except RuntimeError as error:
-            raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
+            raise HeadlabError(f"{path}: weights do not match {_record_name(path)}: {error}") from error
     cast(Any, model).tie_weights()
     # what loaded is every tensor of the model not missing: under transformers' conversion the file's names are not the
     # model's (T5Gemma 2's encoder embedding, saved as model.encoder.embed_tokens), and the tied ones share its memory
@@ -2150,7 +2169,7 @@ def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
             hf_logging.enable_progress_bar()
     if info.mismatched_keys or info.conversion_errors or info.error_msgs:
         found = [*sorted(info.mismatched_keys)[:3], *list(info.conversion_errors.items())[:3], *info.error_msgs[:3]]
-        raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {found}")
+        raise HeadlabError(f"{path}: weights do not match {_record_name(path)}: {found}")
     if info.unexpected_keys:
         raise HeadlabError(f"{path}: weights hold tensors the model does not have: {sorted(info.unexpected_keys)[:3]}")
     return sorted(info.missing_keys)

@@ -1066,7 +1066,10 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
     family = family_for(config)
-    install_tie_rule(model)  # a sparse attention's key selection the same for a sentence in any batch
+    try:
+        install_tie_rule(model)  # a sparse attention's key selection the same for a sentence in any batch
+    except ValueError as error:  # a model's own indexer that selects otherwise than by topk
+        raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {error}") from None
     if family is not None and family.install is not None:  # XLNet's points: modules where its forward had none
         family.install(model)
     if family is not None and family.applications is not None:

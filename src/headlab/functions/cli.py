@@ -112,7 +112,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.functions.registry import STATISTICS
     from headlab.heads import shown_model_name
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_given_tokenizer, load_model, load_tokenizer
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
@@ -123,6 +123,8 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     # The tokenizer and the token frequencies first: a directory without a tokenizer or a bad line of
     # --frequencies is refused before the weights load (minutes for a large model).
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    # another model's --tokenizer: a larger vocabulary, or one whose ids are other tokens to the model
+    check_given_tokenizer(tokenizer, args.tokenizer, args.model, shown_model_name(args.model), args.trust_remote_code)
     frequencies = None
     if functions and getattr(args, "frequencies", None):
         frequencies = TokenFrequencies.from_file(tokenizer, args.frequencies)

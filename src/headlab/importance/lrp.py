@@ -423,8 +423,44 @@ def _finite_masks(model: nn.Module) -> AbstractContextManager[None]:
     return float32_mask_floor(model)
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """The tokens of one forward, as the bias probes read a module's output: ``batch_size`` sentences, and the
+    ``lengths`` of its inputs (the source's and the target's, ``[batch, length]``; 1: a row per sentence)."""
+
+    batch_size: int
+    lengths: frozenset[int]
+
+    @classmethod
+    def of(cls, inputs: Mapping[str, Any]) -> _Tokens:
+        batch_size = next(iter(inputs.values())).shape[0]
+        lengths = {x.shape[1] for x in inputs.values()
+                   if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == batch_size}
+        return cls(batch_size, frozenset(lengths | {1}))
+
+    def per_token(self, rows: torch.Size) -> bool:
+        """Whether an output whose leading dimensions (all but the features) are ``rows`` holds the batch's tokens,
+        batch-major. Flattened rows (``[rows, features]``: OPT's MLP, GPT-OSS's experts) must be all of them, a
+        batch times an input's length: a gathered subset (an expert's tokens) whose count is a multiple of the batch
+        size, read batch-major, would send its biases' shares to the wrong sentences (experts held as modules with
+        biases are refused before any work, rules._routed_biases_problem)."""
+        if len(rows) == 1:
+            return rows[0] in {self.batch_size * n for n in self.lengths}
+        return len(rows) > 1 and rows.numel() % self.batch_size == 0
+
+
+@dataclass
+class _ProbeLog:
+    """What the bias probes saw besides their probes: the probes of biases added to rows that are not the batch's
+    tokens, by module path (:func:`_refuse_unplaced`), and the module path of each probe, by its id."""
+
+    unplaced: dict[str, list[torch.Tensor]]
+    paths: dict[int, str]
+
+
 @contextmanager
-def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> Iterator[list[torch.Tensor]]:
+def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
+                 log: _ProbeLog) -> Iterator[list[torch.Tensor]]:
     """Measure the relevance each row's biases keep (a bias is a neuron of its own, Voita et al.
     2019, App. A.2): a module with a ``bias`` adds ``b * s - stop(b * s)`` (zero) to its output,
     with ``s`` a tensor of ones, one per token (``output.shape[:-1]``, batch-major also when the
@@ -433,8 +469,13 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     other hooks (detached query and key columns drop it), except on a normalisation, whose rule
     would drop it; ``skip`` (the output layer, whose bias is added to the target directly)
     gets none. The experts' biases held in 3-d parameters (GPT-OSS's) are probed inside their rule
-    (:func:`headlab.importance.rules.expert_bias_probes`)."""
+    (:func:`headlab.importance.rules.expert_bias_probes`). ``tokens``: what an output per token is
+    (:meth:`_Tokens.per_token`); a module adding its bias to other rows gets probes of its own, by its path in
+    ``log.unplaced``, which no relevance may reach (:func:`_refuse_unplaced`). ``log.paths``: each probe's module,
+    for :func:`_check_rows`."""
     probes: list[torch.Tensor] = []
+    batch_size = tokens.batch_size
+    paths = {id(m): path for path, m in model.named_modules()}
     # the modules of a time-first family's layers (FSMT's), whose outputs are [pos, batch, ...]: probed batch-first
     names = dict(model.named_modules())
     time_first = {id(m) for b in attention_blocks(model) if b.family.time_first
@@ -463,8 +504,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             kept = bias.detach().to(output.dtype)[:, None] * s
             return output + (kept - kept.detach())
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
-                or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
-            return None  # not one output per token: its bias, if any, shows in the conservation check
+                or output.shape[-1] != bias.shape[0]:
+            return None  # no bias added per row: its bias, if any, shows in the conservation check
         if id(module) in seq_major or id(module) in time_first and output.dim() == 3:
             # called on [seq, batch, d] (Longformer's projections, FSMT's time-first layers): s batch-major, as
             # _reached reads it
@@ -474,7 +515,11 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         else:
             s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
             kept = bias.detach().to(output.dtype) * s
-        probes.append(s)
+        # rows that are not the batch's tokens (a gathered subset, rows the sentences share): a probe of their own,
+        # which _refuse_unplaced checks no relevance reaches
+        per_token = tokens.per_token(output.shape[:-1])
+        (probes if per_token else log.unplaced.setdefault(paths[id(module)], [])).append(s)
+        log.paths[id(s)] = paths[id(module)]
         return output + (kept - kept.detach())
 
     def paired(module) -> bool:
@@ -482,7 +527,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
 
     def expert_probe(x):
         # the experts' own biases (GPT-OSS's 3-d gate_up_proj_bias, down_proj_bias): rules.expert_bias_probes
-        if not torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] % batch_size:
+        if not torch.is_grad_enabled() or x.dim() != 2 or not tokens.per_token(x.shape[:-1]):
             return None
         s = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device, requires_grad=True)
         probes.append(s)
@@ -506,7 +551,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         bias, out = output[-1], output[0]
         if not torch.is_grad_enabled() or not isinstance(bias, torch.Tensor) or bias.dim() != 1 \
                 or not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[-1] != bias.shape[0] \
-                or out.shape[:-1].numel() % batch_size:
+                or not tokens.per_token(out.shape[:-1]):
             return None
         s = torch.ones(*out.shape[:-1], 1, dtype=out.dtype, device=out.device, requires_grad=True)
         probes.append(s)
@@ -522,7 +567,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
 
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or output.dim() < 2 \
-                    or output.shape[:-1].numel() % batch_size:
+                    or not tokens.per_token(output.shape[:-1]):
                 return None
             full = output.new_zeros(output.shape[-1])
             for owner, name, columns in parts:
@@ -556,16 +601,70 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
         # ZAYA's biases that no module's bias holds
-        handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
+        handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, tokens))))
         # Qwen4-Exp's n-gram injections, detached by their rule: a source whose share is kept, as a bias's
-        handles.extend(register_hooks(injection_probe_hooks(model, _token_probe(probes, batch_size))))
+        handles.extend(register_hooks(injection_probe_hooks(model, _token_probe(probes, tokens))))
         # learned tokens that are not input tokens (PEGASUS-X's global tokens, LEARNED_TOKENS): constants the model
         # adds, their share kept as a bias's
-        handles.extend(_learned_token_probes(model, _token_probe(probes, batch_size)))
+        handles.extend(_learned_token_probes(model, _token_probe(probes, tokens)))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
         handles.remove()
+
+
+def _refuse_unplaced(unplaced: Mapping[str, list[torch.Tensor]], y: torch.Tensor, steps: torch.Tensor,
+                     tokens: _Tokens) -> None:
+    """Refuse when relevance of the explained steps reaches a bias added to rows that are not the batch's tokens
+    (:meth:`_Tokens.per_token`): its share belongs to the sentences of rows headlab cannot tell apart (an expert's
+    gathered tokens), so relevance would be conserved only in total, silently wrong per sentence. Rows that none
+    reaches (DeBERTa's relative-position projections, shared by the sentences and feeding the constant attention
+    weights only) keep nothing and pass."""
+    if not unplaced:
+        return
+    ends = [s for probes in unplaced.values() for s in probes]
+    grads = torch.autograd.grad((y * steps).sum(), ends, retain_graph=True, allow_unused=True)
+    reached = iter(g is not None and bool(g.ne(0).any()) for g in grads)
+    for path, probes in unplaced.items():
+        if any([next(reached) for _ in probes]):
+            rows = [tuple(s.shape[:-1]) for s in probes]
+            raise HeadlabError(
+                f"LRP: no rule for the bias of {path}: it is added to rows {rows[0]} that are not the batch's tokens "
+                f"({tokens.batch_size} sentences of {'/'.join(map(str, sorted(tokens.lengths - {1})))} tokens: a subset "
+                "gathered from them, as a mixture of experts routes them, or in another order), and relevance reaches "
+                "it, so its share cannot be given to the sentences it came from; the other measures work on this model")
+
+
+def _check_rows(probes: list[torch.Tensor], paths: Mapping[int, str], y: torch.Tensor, steps: torch.Tensor,
+                batch_size: int) -> None:
+    """Refuse when a probe's rows are not batch-major after all: relevance of one sentence's steps reaching the rows
+    _reached gives another sentence. Checked on the probes whose rows could be in any order (``[rows, 1]``: a
+    flattened MLP's, as OPT's; or not led by the batch), by one batched backward of the explained steps scaled per
+    sentence ``r`` by ``2^(r mod 32)`` and by ``2^(r // 32 mod 32)``: a row of sentence ``r`` alone gets exactly the
+    unscaled gradient times its sentence's powers of two (scaling by a power of two is exact in floating point),
+    and a row of another sentence a gradient at least twice or half that (a permutation or a gathered subset of all
+    the rows, which the row count alone does not tell, :meth:`_Tokens.per_token`)."""
+    # (no row: X-MOD's adapter of a language no sentence of the batch is in, run on [0, seq, d])
+    loose = [s for s in probes if (s.dim() == 2 or s.shape[0] != batch_size) and s.numel()]
+    if not loose:
+        return
+    sentence = torch.arange(batch_size, device=y.device)
+    scales = torch.stack([torch.ones_like(sentence), sentence % 32, sentence // 32 % 32]).to(y.dtype)
+    scales[1:] = 2.0 ** scales[1:]
+    selectors = steps.to(y.dtype)[None] * scales.reshape(3, batch_size, *[1] * (y.dim() - 1))
+    grads = torch.autograd.grad(y, loose, grad_outputs=selectors, retain_graph=True, allow_unused=True,
+                                is_grads_batched=True)
+    for s, grad in zip(loose, grads):
+        if grad is None or not torch.isfinite(grad).all():
+            continue  # none reaches it; or a NaN, which the conservation check reports as such
+        grad = grad.reshape(3, batch_size, -1)  # the rows batch-major, as _reached reads them
+        expected = grad[0][None] * scales[1:, :, None]
+        if not torch.allclose(grad[1:], expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max())):
+            raise HeadlabError(
+                f"LRP: no rule for the bias of {paths.get(id(s), 'a module')}: its {s.shape[0]} rows are not the "
+                "batch's tokens in batch order (relevance of one sentence reaches rows of another: a subset of the "
+                "tokens gathered or reordered, as a mixture of experts routes them), so its share cannot be given to "
+                "the sentences it came from; the other measures work on this model")
 
 
 def _learned_token_probes(model: nn.Module, ones) -> HookHandles:
@@ -591,14 +690,14 @@ def _source_probe(ones):
     return hook
 
 
-def _token_probe(probes: list[torch.Tensor], batch_size: int):
+def _token_probe(probes: list[torch.Tensor], tokens: _Tokens):
     """``ones(x)``: ones ``[..., 1]``, one per token of ``x`` (``[batch, seq, ...]``), that require grad, appended to
     ``probes`` (None under no_grad or where ``x`` is not per token): for the biases a rule adds itself
     (:func:`headlab.importance.cca_rule.bias_probe_hooks`)."""
 
     def ones(x: torch.Tensor) -> torch.Tensor | None:
         if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
-                or x.shape[:-1].numel() % batch_size:
+                or not tokens.per_token(x.shape[:-1]):
             return None
         s = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device, requires_grad=True)
         probes.append(s)
@@ -749,11 +848,12 @@ def head_relevance(
         recorded[block.key] = [*runs, heads]
         return heads
 
-    batch_rows = next(iter(batch.inputs.values())).shape[0]
+    seen_tokens = _Tokens.of(batch.inputs)
+    log = _ProbeLog({}, {})  # probes of biases on rows that are not tokens (_refuse_unplaced), probes' modules
     logit_layer = _embedding_head(model) or output_layer(model)  # its bias is added to the target itself
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
-            _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, logit_layer) as probes, \
-            _embeddings(model, _token_probe(probes, batch_rows)) as embedded, \
+            _finite_masks(model), lrp_rules(model), _bias_probes(model, seen_tokens, logit_layer, log) as probes, \
+            _embeddings(model, _token_probe(probes, seen_tokens)) as embedded, \
             _per_layer_embeddings(model) as per_layer, _lm_input(model) as seen, head_output_hooks(blocks, record):
         with _KeptWide(_computed_in(model)):  # the forward only: the backward passes below are torch's own
             out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
@@ -767,13 +867,15 @@ def head_relevance(
             raise HeadlabError("LRP: found no per-layer token embeddings (embed_tokens_per_layer) on the path to the "
                                "logits, though the model's layers take per-layer inputs, so conservation cannot be "
                                "measured")
+        steps = batch.steps.to(y.device)
+        _refuse_unplaced(log.unplaced, y, steps, seen_tokens)
+        _check_rows(probes, log.paths, y, steps, seen_tokens.batch_size)
         # A bias before the embeddings' cut (BERT's and BART's embedding norms) is inside them already.
         before = torch.autograd.grad([e.sum() for e in embedded], probes, retain_graph=True, allow_unused=True) \
             if probes else []
         # the per-layer token embeddings are input embeddings too: counted with them (_reached)
         ends = embedded + per_layer + [s for s, g in zip(probes, before) if g is None]
         n_emb = (len(embedded), len(per_layer))
-        steps = batch.steps.to(y.device)
         index = steps.nonzero()  # [n, 2] (row, position), row-major order
         keys = [b.key for b in blocks for _ in recorded[b.key]]  # a key per recorded run (Family.output_calls)
         tensors = [t for b in blocks for t in recorded[b.key]]

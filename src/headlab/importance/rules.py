@@ -701,6 +701,8 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     """Why no LRP rule covers ``module`` itself, as the refusal says it (None: one does); a normalisation
     without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it;
     ``holds_block``: an attention block lies inside it (then it is no gated norm, whatever its name)."""
+    if _is_expert_list(module, path) and (problem := _routed_biases_problem(module)) is not None:
+        return f"LRP: no rule for the experts {type(module).__name__} ({path}): {problem}"
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
@@ -1686,13 +1688,30 @@ def _module_experts_problem(module: nn.Module) -> str | None:
     and its own parameters none."""
     if next(module.parameters(recurse=False), None) is not None or not len(list(module.children())):
         return "its experts are not child modules without parameters of its own beside them"
+    return _routed_biases_problem(module)
+
+
+def _routed_biases_problem(module: nn.Module) -> str | None:
+    """Why the biases of experts held as modules cannot be measured (None: they have none). Each expert runs on the
+    rows of the tokens routed to it, gathered in whatever order its layer chooses (NLLB-MoE's by expert mask; a
+    grouped implementation's sorted by score), where the bias probes (lrp.py) give a module one probe per row and
+    read the rows batch-major: a count of rows that is a multiple of the batch size would send a bias's share to
+    the wrong sentences, within the conservation check's tolerance when the biases are small."""
     biased = sorted({name.rpartition(".")[0].rpartition(".")[2] for name, p in module.named_parameters()
                      if name.endswith("bias") and p is not None})
-    if biased:  # NLLB-MoE's fc1 and fc2
-        return (f"its experts' biases ({', '.join(biased)}) apply to the tokens routed to each expert only, a subset "
-                "of the batch's rows, where headlab's bias probes measure a bias's share per token of the batch "
-                "(Switch Transformers' experts, without biases, are explained)")
-    return None
+    if not biased:
+        return None
+    return (f"its experts' biases ({', '.join(biased)}) apply to the tokens routed to each expert only, a subset "
+            "of the batch's rows in the order its layer gathers them, where headlab's bias probes measure a bias's "
+            "share per token of the batch, read batch-major (Switch Transformers' experts, without biases, are "
+            "explained)")
+
+
+def _is_expert_list(module: nn.Module, path: str) -> bool:
+    """Experts held as a list or dict of modules under the name ``experts`` (a model's own MoE layer, remote code's),
+    whose layer runs each on the rows routed to it; transformers' own are :data:`MODULE_EXPERTS` classes."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and path.rpartition(".")[2] == "experts" \
+        and type(module).__name__ not in MODULE_EXPERTS
 
 
 def _detach_routing_weights(module, args, kwargs):

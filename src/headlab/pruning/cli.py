@@ -210,14 +210,15 @@ def _dev_data(args):
 
 
 def _load(args):
-    from headlab.loading import check_tokenizer_fits, load_model, load_tokenizer
+    from headlab.loading import check_given_tokenizer, check_tokenizer_fits, load_model, load_tokenizer
 
     trust = args.trust_remote_code
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=trust)  # first: before the weights
-    model = load_model(args.model, trust_remote_code=trust)
     # as the analyses do, before any work: another model's --tokenizer (ids beyond the embeddings failed in the
-    # first batch, an IndexError), a TAPAS table tokenizer
-    check_tokenizer_fits(tokenizer, model, args.model)
+    # first batch, an IndexError; another vocabulary of the same size computed on other tokens), a TAPAS one
+    check_given_tokenizer(tokenizer, args.tokenizer, args.model, args.model, trust)
+    model = load_model(args.model, trust_remote_code=trust)
+    check_tokenizer_fits(tokenizer, model, args.model)  # the embeddings' rows themselves
     return model, tokenizer
 
 
