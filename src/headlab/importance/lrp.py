@@ -63,6 +63,7 @@ from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.mixer_rules.hyper_connection import injection_probe_hooks
 from headlab.importance.rules import (
+    ROUTED_ROWS,
     adapted_gated_mlps,
     altup_inputs,
     altup_models,
@@ -78,6 +79,7 @@ from headlab.importance.rules import (
     per_layer_embeddings,
     per_layer_input_layers,
     register_hooks,
+    routed_expert_rows,
     routed_experts,
 )
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
@@ -443,7 +445,8 @@ class _Tokens:
         batch-major. Flattened rows (``[rows, features]``: OPT's MLP, GPT-OSS's experts) must be all of them, a
         batch times an input's length: a gathered subset (an expert's tokens) whose count is a multiple of the batch
         size, read batch-major, would send its biases' shares to the wrong sentences (experts held as modules with
-        biases are refused before any work, rules._routed_biases_problem)."""
+        biases are refused before any work, rules._routed_biases_problem, but those whose rows headlab computes:
+        :class:`_RoutedRows`)."""
         if len(rows) == 1:
             return rows[0] in {self.batch_size * n for n in self.lengths}
         return len(rows) > 1 and rows.numel() % self.batch_size == 0
@@ -458,6 +461,81 @@ class _ProbeLog:
     paths: dict[int, str]
 
 
+class _RoutedRows:
+    """The probes of the biases of experts that run on rows gathered from the batch's tokens (rules.ROUTED_ROWS:
+    NLLB-MoE's ``fc1`` and ``fc2``). At each call of the experts module, ``s``: ones, one per token of the batch
+    (``[tokens, 1]``, batch-major as the flattened hidden states are), a probe; each expert, on the rows ``r`` of
+    those tokens it runs on, gets ``s[r]`` as the probe of its modules' biases. Indexing's backward sums the
+    gradient reaching ``s[r]`` back onto the tokens the rows came from (a token routed twice, twice), so each bias's
+    share goes to its token's sentence. An expert whose input is not the rows so computed is refused (another
+    implementation); one called otherwise keeps probes of its own (``_refuse_unplaced``)."""
+
+    def __init__(self, model: nn.Module, tokens: _Tokens, probes: list[torch.Tensor], log: _ProbeLog,
+                 paths: Mapping[int, str]) -> None:
+        self.tokens, self.probes, self.log, self.paths = tokens, probes, log, paths
+        self.experts = [module for module in model.modules() if type(module).__name__ in ROUTED_ROWS]
+        self.inside = {id(module) for experts in self.experts for module in experts.modules()}
+        self.routed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(expert) -> (x, rows, s)
+        self.current: dict[int, torch.Tensor] = {}  # id(a module of the running expert) -> its rows of s
+
+    def hooks(self) -> HookHandles:
+        handles = HookHandles()
+        for experts in self.experts:
+            handles.append(experts.register_forward_pre_hook(self.before_experts))
+            for expert in experts.children():
+                handles.append(expert.register_forward_pre_hook(self.before_expert))
+                handles.append(expert.register_forward_hook(self.after_expert))
+        return handles
+
+    def probe_of(self, module: nn.Module, probe: Callable) -> Callable:
+        """The bias probe of ``module``: ``probe`` (one per row of its output), but on a module of these experts
+        while its expert runs on known rows, their tokens' probes."""
+
+        def routed_probe(module, args, output):
+            rows, bias = self.current.get(id(module)), module.bias
+            if rows is None or not isinstance(output, torch.Tensor) or output.shape[:-1] != rows.shape[:-1] \
+                    or bias.dim() != 1 or output.shape[-1] != bias.shape[0]:
+                return probe(module, args, output)
+            kept = bias.detach().to(output.dtype) * rows
+            return output + (kept - kept.detach())
+
+        return routed_probe if id(module) in self.inside else probe
+
+    def before_experts(self, module: nn.Module, args: tuple) -> None:
+        for expert in module.children():
+            self.routed.pop(id(expert), None)
+        x = args[0] if args else None
+        if not torch.is_grad_enabled() or len(args) < 2 or not isinstance(x, torch.Tensor) or x.dim() != 2 \
+                or not self.tokens.per_token(x.shape[:-1]):
+            return  # its experts' biases keep probes of their own, refused if relevance reaches them
+        s = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device, requires_grad=True)
+        self.probes.append(s)
+        self.log.paths[id(s)] = self.paths[id(module)]
+        for name, rows in cast(dict, routed_expert_rows(module, args)).items():
+            self.routed[id(module.get_submodule(name))] = (x, rows, s)
+
+    def before_expert(self, expert: nn.Module, args: tuple) -> None:
+        self.after_expert(expert)
+        routed = self.routed.pop(id(expert), None)
+        if routed is None:
+            return
+        x, rows, s = routed
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].shape != (len(rows), x.shape[-1]) \
+                or not torch.equal(args[0], x[rows]):
+            raise HeadlabError(
+                f"LRP: no rule for the biases of the expert {self.paths[id(expert)]}: it does not run on the rows of the "
+                "batch's tokens headlab computes from its router mask (as transformers 5.24's forward gathers them), "
+                "so their shares cannot be given to the sentences the rows came from; the other measures work on this "
+                "model")
+        tokens = s[rows]
+        for module in expert.modules():
+            self.current[id(module)] = tokens
+
+    def after_expert(self, expert: nn.Module, *_: Any) -> None:
+        for module in expert.modules():
+            self.current.pop(id(module), None)
+
+
 @contextmanager
 def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
                  log: _ProbeLog) -> Iterator[list[torch.Tensor]]:
@@ -469,13 +547,15 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
     other hooks (detached query and key columns drop it), except on a normalisation, whose rule
     would drop it; ``skip`` (the output layer, whose bias is added to the target directly)
     gets none. The experts' biases held in 3-d parameters (GPT-OSS's) are probed inside their rule
-    (:func:`headlab.importance.rules.expert_bias_probes`). ``tokens``: what an output per token is
+    (:func:`headlab.importance.rules.expert_bias_probes`); those of experts held as modules on rows gathered from the
+    tokens (NLLB-MoE's) with the probes of their rows' tokens (:class:`_RoutedRows`). ``tokens``: what an output per token is
     (:meth:`_Tokens.per_token`); a module adding its bias to other rows gets probes of its own, by its path in
     ``log.unplaced``, which no relevance may reach (:func:`_refuse_unplaced`). ``log.paths``: each probe's module,
     for :func:`_check_rows`."""
     probes: list[torch.Tensor] = []
     batch_size = tokens.batch_size
     paths = {id(m): path for path, m in model.named_modules()}
+    routed = _RoutedRows(model, tokens, probes, log, paths)  # experts on gathered rows (NLLB-MoE's): their tokens' probes
     # the modules of a time-first family's layers (FSMT's), whose outputs are [pos, batch, ...]: probed batch-first
     names = dict(model.named_modules())
     time_first = {id(m) for b in attention_blocks(model) if b.family.time_first
@@ -599,7 +679,7 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
                 ruled = norm_rule(module) is not None
             except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
                 ruled = True
-            handles.append(module.register_forward_hook(probe, prepend=not ruled))
+            handles.append(module.register_forward_hook(routed.probe_of(module, probe), prepend=not ruled))
         # ZAYA's biases that no module's bias holds
         handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, tokens))))
         # Qwen4-Exp's n-gram injections, detached by their rule: a source whose share is kept, as a bias's
@@ -607,6 +687,7 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
         # learned tokens that are not input tokens (PEGASUS-X's global tokens, LEARNED_TOKENS): constants the model
         # adds, their share kept as a bias's
         handles.extend(_learned_token_probes(model, _token_probe(probes, tokens)))
+        handles.extend(routed.hooks())
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:

@@ -128,7 +128,7 @@ of ``x``. All hooks are removed in ``finally``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -148,7 +148,7 @@ from headlab.surgery import head_row_modules
 __all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
            "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
            "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "register_hooks",
-           "relevance", "routed_experts"]
+           "relevance", "routed_expert_rows", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -1680,23 +1680,48 @@ routing weights among their forward's arguments (Switch Transformers' ``routing_
 times the constant ``1 - moe_token_dropout`` in evaluation mode), each expert an MLP with rules of its own
 (``wi``/``fc1``, the activation, ``wo``/``fc2``). The routing weights held constant (:func:`_detach_routing_weights`),
 as the attention weights are, it is a weighted sum of the experts' outputs. Before session 41, refused; experts with
-biases (NLLB-MoE's) still are (:func:`_module_experts_problem`)."""
+biases are explained where headlab knows which batch rows each expert runs on (:data:`ROUTED_ROWS`, NLLB-MoE's since
+session 42), refused otherwise (:func:`_module_experts_problem`)."""
+
+
+def _nllb_moe_rows(module: nn.Module, hidden_states: torch.Tensor, router_mask: torch.Tensor,
+                   *_: Any) -> dict[str, torch.Tensor]:
+    """The batch rows (of the flattened ``[tokens, d]`` hidden states) each expert of ``NllbMoeExperts`` runs on, in
+    its order, as its forward gathers them (read in transformers 5.24, models/nllb_moe, ``NllbMoeExperts.forward``:
+    ``expert_mask = one_hot(router_mask, num_experts).permute(2, 1, 0)``, then for every expert ``e`` with a row,
+    ``idx, top_x = where(expert_mask[e])`` and ``expert_e(hidden_states[top_x])``: a token may come more than once)."""
+    mask = nn.functional.one_hot(router_mask, num_classes=int(cast(Any, module).num_experts)).permute(2, 1, 0)
+    return {f"expert_{e}": torch.where(mask[e])[1] for e in range(mask.shape[0]) if bool(mask[e].any())}
+
+
+ROUTED_ROWS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {"NllbMoeExperts": _nllb_moe_rows}
+""":data:`MODULE_EXPERTS` classes whose experts have biases -> ``rows(module, *args)``: the batch rows each expert (by
+child name) runs on, from the arguments of the module's forward. lrp.py's bias probes give those biases the probe of
+each row's token (``s[rows]`` of a per-token ``s``), so that their share goes to the sentence the token is in
+(:func:`routed_expert_rows`); before session 42, NLLB-MoE's were refused (:func:`_routed_biases_problem`)."""
+
+
+def routed_expert_rows(module: nn.Module, args: tuple) -> dict[str, torch.Tensor] | None:
+    """:data:`ROUTED_ROWS`' rows of ``module`` called with ``args`` (None: not such a module)."""
+    rows = ROUTED_ROWS.get(type(module).__name__)
+    return None if rows is None else rows(module, *args)
 
 
 def _module_experts_problem(module: nn.Module) -> str | None:
     """Why :data:`MODULE_EXPERTS`' rule does not fit ``module`` (None: it does): its experts must be child modules
-    and its own parameters none."""
+    and its own parameters none; their biases need the rows each expert runs on (:data:`ROUTED_ROWS`)."""
     if next(module.parameters(recurse=False), None) is not None or not len(list(module.children())):
         return "its experts are not child modules without parameters of its own beside them"
-    return _routed_biases_problem(module)
+    return None if type(module).__name__ in ROUTED_ROWS else _routed_biases_problem(module)
 
 
 def _routed_biases_problem(module: nn.Module) -> str | None:
-    """Why the biases of experts held as modules cannot be measured (None: they have none). Each expert runs on the
-    rows of the tokens routed to it, gathered in whatever order its layer chooses (NLLB-MoE's by expert mask; a
-    grouped implementation's sorted by score), where the bias probes (lrp.py) give a module one probe per row and
-    read the rows batch-major: a count of rows that is a multiple of the batch size would send a bias's share to
-    the wrong sentences, within the conservation check's tolerance when the biases are small."""
+    """Why the biases of experts held as modules cannot be measured (None: they have none), unless their rows are
+    known (:data:`ROUTED_ROWS`). Each expert runs on the rows of the tokens routed to it, gathered in whatever order
+    its layer chooses (NLLB-MoE's by expert mask; a grouped implementation's sorted by score), where the bias probes
+    (lrp.py) give a module one probe per row and read the rows batch-major: a count of rows that is a multiple of the
+    batch size would send a bias's share to the wrong sentences, within the conservation check's tolerance when the
+    biases are small."""
     biased = sorted({name.rpartition(".")[0].rpartition(".")[2] for name, p in module.named_parameters()
                      if name.endswith("bias") and p is not None})
     if not biased:
@@ -1704,7 +1729,7 @@ def _routed_biases_problem(module: nn.Module) -> str | None:
     return (f"its experts' biases ({', '.join(biased)}) apply to the tokens routed to each expert only, a subset "
             "of the batch's rows in the order its layer gathers them, where headlab's bias probes measure a bias's "
             "share per token of the batch, read batch-major (Switch Transformers' experts, without biases, are "
-            "explained)")
+            "explained, and NLLB-MoE's, whose rows headlab computes from its router mask)")
 
 
 def _is_expert_list(module: nn.Module, path: str) -> bool:
