@@ -125,3 +125,19 @@ def test_experts_gathering_other_rows_are_refused():
     with pytest.raises(HeadlabError, match=r"no rule for the biases of the expert model.encoder.layers.0.ffn.experts."
                                            r"expert_\d: it does not run on the rows"):
         compute_lrp(model, _data(), describe_model(model), bootstrap=0, batch_size=3)
+
+
+def test_the_family_sweep_checks_compute_lrp_on_experts():
+    """experiments/family_sweep.py's tiny NLLB-MoE has experts (before: encoder_sparse_step 4 over 2 layers, none, so
+    they went unchecked), and its compute_lrp check passes: conserved in float64 to its 1e-8, the model given back as
+    compute_lrp got it (its router's classifier cast to float32 by the model's own first forward, translate_data's,
+    read before as compute_lrp changing the model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from support.experiments import load_experiment
+
+    sweep = load_experiment("family_sweep")
+    config_class = CONFIG_MAPPING["nllb-moe"]
+    model = sweep.as_analysed(sweep.build(config_class, sweep.model_class(config_class), "eager", torch.float64)[0])
+    assert any(type(module).__name__ == "NllbMoeExperts" for module in model.modules())
+    assert sweep.check_compute_lrp(model) is None
