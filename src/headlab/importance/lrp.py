@@ -720,7 +720,7 @@ def _check_rows(probes: list[torch.Tensor], paths: Mapping[int, str], y: torch.T
                 batch_size: int) -> None:
     """Refuse when a probe's rows are not batch-major after all: relevance of one sentence's steps reaching the rows
     _reached gives another sentence. Checked on the probes whose rows could be in any order (``[rows, 1]``: a
-    flattened MLP's, as OPT's; or not led by the batch), by one batched backward of the explained steps scaled per
+    flattened MLP's, as OPT's; or not led by the batch), by backward passes of the explained steps scaled per
     sentence ``r`` by ``2^(r mod 32)`` and by ``2^(r // 32 mod 32)``: a row of sentence ``r`` alone gets exactly the
     unscaled gradient times its sentence's powers of two (scaling by a power of two is exact in floating point),
     and a row of another sentence a gradient at least twice or half that (a permutation or a gathered subset of all
@@ -733,8 +733,11 @@ def _check_rows(probes: list[torch.Tensor], paths: Mapping[int, str], y: torch.T
     scales = torch.stack([torch.ones_like(sentence), sentence % 32, sentence // 32 % 32]).to(y.dtype)
     scales[1:] = 2.0 ** scales[1:]
     selectors = steps.to(y.dtype)[None] * scales.reshape(3, batch_size, *[1] * (y.dim() - 1))
-    grads = torch.autograd.grad(y, loose, grad_outputs=selectors, retain_graph=True, allow_unused=True,
-                                is_grads_batched=True)
+    # three plain backward passes, not one batched (vmap) one: the check holds under every strategy, "loop" being
+    # the one for models whose backward vmap cannot batch
+    passes = [torch.autograd.grad(y, loose, grad_outputs=selector, retain_graph=True, allow_unused=True)
+              for selector in selectors]
+    grads = [None if any(g is None for g in per_probe) else torch.stack(per_probe) for per_probe in zip(*passes)]
     for s, grad in zip(loose, grads):
         if grad is None or not torch.isfinite(grad).all():
             continue  # none reaches it; or a NaN, which the conservation check reports as such
