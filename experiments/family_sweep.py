@@ -166,6 +166,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "musicflamingo": dict(text_config=SIZES, audio_config=dict(TINY_AUDIO, model_type="audioflamingo3_encoder")),
     # experts in every other layer (the default 4 gives the 2-layer build none, so its experts went unchecked)
     "nllb-moe": dict(encoder_sparse_step=2, decoder_sparse_step=2),
+    # Switch Transformers: experts in both layers (the defaults, 12 sparse layers of 12, give the 2-layer build a sparse
+    # step of 0, no experts at all)
+    "switch_transformers": dict(num_sparse_encoder_layers=2, num_sparse_decoder_layers=2),
     # MusicGen's decoder (an LM over audio codes, one codebook here: input_ids [batch x codebooks, length])
     **{t: dict(decoder=dict(SIZES, ffn_dim=40, num_codebooks=1)) for t in ("musicgen", "musicgen_melody")},
     "nemo_speechlm": dict(text_config=dict(SIZES, **EXTRA_SIZES, model_type="nemotron_h"),
