@@ -525,7 +525,7 @@ def test_another_models_tokenizer_of_no_larger_vocabulary_is_refused_before_the_
 
 def test_a_copy_of_the_models_own_tokenizer_is_accepted(inputs, tmp_path):
     """Its files elsewhere, a pad token added: the same ordinary vocabulary, accepted; a model directory without a
-    tokenizer takes any (--tokenizer is its only one)."""
+    tokenizer, or whose tokenizer does not load, takes any (--tokenizer is its only one)."""
     import transformers
 
     from headlab.loading import check_same_vocabulary, load_tokenizer
@@ -537,6 +537,10 @@ def test_a_copy_of_the_models_own_tokenizer_is_accepted(inputs, tmp_path):
     check_same_vocabulary(load_tokenizer(str(copy)), str(copy), str(inputs / "model"))
     bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
     check_same_vocabulary(load_tokenizer(str(copy)), str(copy), str(bare))
+    # a directory whose own tokenizer does not load (a stray tokenizer_config.json alone): why --tokenizer is given
+    broken = save_tiny_marian(tmp_path / "broken", tokenizer=False)
+    (broken / "tokenizer_config.json").write_text("{not json")
+    check_same_vocabulary(load_tokenizer(str(copy)), str(copy), str(broken))
 
 
 @pytest.mark.parametrize("content", ['{"pid": "x"}', "[1, 2]", ""])

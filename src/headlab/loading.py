@@ -558,15 +558,18 @@ def check_same_vocabulary(tokenizer, tokenizer_path: str | None, model_path: str
     """Refuse ``--tokenizer`` (``tokenizer``, read from ``tokenizer_path``) when the model's directory has a tokenizer
     of its own whose ordinary vocabulary (token -> id, added tokens aside) is not the same: every id would mean
     another token to the model, with no error (:func:`check_tokenizer_fits` refuses a larger vocabulary only). A copy
-    of the model's own (its files elsewhere) passes; a model directory without a tokenizer, for which --tokenizer is
-    the only one, is not checked. There is no override: a model reads ids as the tokenizer it was trained with gives
-    them."""
+    of the model's own (its files elsewhere) passes; a model directory without a tokenizer, or whose tokenizer does
+    not load, for which --tokenizer is the only one, is not checked. There is no override: a model reads ids as the
+    tokenizer it was trained with gives them."""
     model_dir = Path(model_path)
     if tokenizer_path is None or not model_dir.is_dir() \
             or os.path.realpath(tokenizer_path) == os.path.realpath(model_dir) \
             or not any(next(model_dir.glob(pattern), None) for pattern in _TOKENIZER_FILES):
         return
-    own = load_tokenizer(model_path, trust_remote_code)
+    try:
+        own = load_tokenizer(model_path, trust_remote_code)
+    except HeadlabError:  # the directory's own tokenizer does not load (why --tokenizer is given): nothing to compare
+        return
     found = _first_disagreement(_base_vocabulary(tokenizer), _base_vocabulary(own))
     if found is None:
         return
