@@ -70,6 +70,7 @@ from headlab.adapters.families import (
     merged_attention_probs,
     rows_per_head,
 )
+from headlab.adapters.upstream import warn_upstream_bugs
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 from headlab.portable_code import install_tie_rule
@@ -1065,6 +1066,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     reason = unsupported_reason(model)
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
+    warn_upstream_bugs(model)  # transformers' own forward computing another model (NLLB-MoE's experts, 5.24)
     family = family_for(config)
     try:
         install_tie_rule(model)  # a sparse attention's key selection the same for a sentence in any batch
