@@ -125,6 +125,20 @@ def test_a_biased_module_on_the_tokens_in_another_order_is_refused(strategy):
         compute_lrp(model, data, info, bootstrap=0, strategy=strategy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_row_order_check_holds_for_a_half_precision_model_and_40_sentences_a_batch(dtype):
+    """The check scales sentence r by 2^(r mod 32) and 2^(r // 32 mod 32), 2^31 at most: beyond float16's range,
+    but LRP never computes in a half precision (lrp_precision: float32 or float64, the model widened), so a
+    reordered module is still refused with more than 32 sentences a batch (none skipped as non-finite)."""
+    from headlab.data.inputs import ImportanceData
+    from headlab.importance import describe_model
+
+    model = _model(_ReversedMlp).to(dtype)
+    sentences = [[5 + (7 * i + j) % 80 for j in range(3 + i % 5)] for i in range(40)]
+    with pytest.raises(HeadlabError, match=r"rows are not the batch's tokens in batch order"):
+        compute_lrp(model, ImportanceData.from_ids(sentences), describe_model(model), bootstrap=0, batch_size=40)
+
+
 def test_a_biased_module_on_a_subset_of_the_tokens_is_refused():
     """Every other token: a count that is a multiple of the batch size (4 sentences, 9 tokens each: 36 rows, 18
     of them), but no input's token count: probes of its own, which relevance reaches, so refused. Before: its 18
