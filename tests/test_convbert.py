@@ -1,4 +1,4 @@
-"""ConvBERT: its attention heads analysed, masked and gated; physical pruning and LRP refused before any work.
+"""ConvBERT: its attention heads analysed, masked and gated; physical pruning refused before any work.
 
 Before session 40 the whole model was refused (``adapters.families.UNSUPPORTED["convbert"]``: "ConvBERT's
 self-attention mixes its attention heads with span-based dynamic convolution heads ..."), so every test here failed on
@@ -8,8 +8,9 @@ span-based dynamic convolution heads whose kernels come from ``query(x) * key_co
 reads ``[attention heads' outputs | convolution heads' outputs]``. So: capture is the probabilities the module returns;
 masking a head zeroes its columns among the first ``heads x d`` (what transformers' old ``head_mask`` did: it multiplied
 ``attention_probs``), the convolution heads' columns untouched, checked against that by hand on padded float64 batches;
-gates (constant, scalar, Hard Concrete) act there too. Removing a head's query rows would change the convolution heads,
-and the dynamic convolution has no LRP rule: both are refused before any work, the model unchanged and never run.
+gates (constant, scalar, Hard Concrete) act there too. Removing a head's query rows would change the convolution heads:
+physical pruning is refused before any work, the model unchanged and never run. LRP (refused until session 43, its
+convolution heads without a rule): tests/test_lrp_convbert.py.
 
 Its convolutions read a padded batch's padding in transformers; headlab zeroes it where they read it
 (``headlab.adapters.convbert``), so a row of a padded batch is the row alone: the tests on that failed before (maps,
@@ -372,14 +373,15 @@ def test_confidence_is_the_same_on_every_engine():
     check_confidence_on_every_engine(model, data, info)
 
 
-def test_a_family_with_columns_after_its_heads_must_say_why_pruning_and_lrp_are_refused():
-    """The per-head hooks pass the columns after the heads through; pruning's slicing and LRP's rules do not know them,
-    so a table entry with such columns and no refusal is an error when it is written."""
+def test_a_family_with_columns_after_its_heads_must_say_why_pruning_is_refused():
+    """The per-head hooks pass the columns after the heads through; pruning's slicing does not know them, so a table
+    entry with such columns and no pruning refusal is an error when it is written (LRP needs a mixer rule covering them:
+    tests/test_lrp_convbert.py)."""
     from headlab.adapters.families import CONVBERT, Family
 
-    with pytest.raises(ValueError, match="need a reason physical pruning and LRP are refused"):
+    with pytest.raises(ValueError, match="need a reason physical pruning is refused"):
         Family(name="x", patterns=(), q="q", k="k", v="v", o="o", d_head_attr="d", columns_after_heads="width")
-    assert CONVBERT.refused and CONVBERT.lrp_refused and CONVBERT.columns_after_heads == "all_head_size"
+    assert CONVBERT.prune_refused and not CONVBERT.lrp_refused and CONVBERT.columns_after_heads == "all_head_size"
 
 
 def _never_run(model) -> list[int]:
@@ -406,53 +408,12 @@ def test_pruning_is_refused_before_any_work():
     assert [b.n_heads for b in attention_blocks(model)] == [2, 2]
 
 
-def test_lrp_is_refused_before_any_work():
-    """compute_lrp refuses naming the dynamic convolution, before any forward pass; the weights unchanged."""
-    from headlab.data.inputs import ImportanceData
-    from headlab.importance.lrp import compute_lrp
-    from headlab.model_description import describe_model
-
-    model = build()
-    info = describe_model(model)
-    before = {name: p.clone() for name, p in model.state_dict().items()}
-    calls = _never_run(model)
-    data = ImportanceData.from_ids([[5, 6, 7], [8, 9, 10, 11, 12]])
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of .*ConvBERT's span-based dynamic "
-                                           r"convolution heads .* have no LRP rule"):
-        compute_lrp(model, data, info, bootstrap=0)
-    assert calls == [0]
-    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
-
-
 def test_a_decoders_cross_attention_is_idle():
     """With is_decoder and add_cross_attention, ConvBertModel never passes encoder states: its crossattention modules
     are idle blocks (nothing runs them), its self-attention still bidirectional (enc_self)."""
     blocks = attention_blocks(build(is_decoder=True, add_cross_attention=True))
     assert [(b.kind, b.layer, b.idle) for b in blocks] == \
         [("enc_self", 0, False), ("enc_self", 1, False), ("dec_cross", 0, True), ("dec_cross", 1, True)]
-
-
-def test_analyze_end_to_end(tmp_path):
-    """`headlab analyze --ablation` on a saved tiny ConvBERT: every stage done but LRP, refused before its work naming
-    the dynamic convolution; both layers' heads scored by confidence, gradient and ablation. Before: every stage
-    refused with the model."""
-    import json
-
-    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
-
-    model = build().float()
-    save_tiny(model, tmp_path / "model", treebank_files(tmp_path), style="bert")
-    code, stages = analyze(tmp_path / "model", tmp_path)
-    for name in ANALYZE_STAGES:
-        assert stages[name]["status"] == "done", stages[name]
-    # a stage refused with a HeadlabError is recorded as failed, its reason the refusal, and the run exits 1
-    assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
-    assert "LRP: no rule for the attention of convbert.encoder.layer.0.attention (convbert): ConvBERT's span-based " \
-           "dynamic convolution heads" in stages["lrp"]["reason"], stages["lrp"]
-    for measure in ("confidence", "gradient", "ablation"):
-        rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["enc_self"]
-        assert [len(row) for row in rows] == [2, 2], measure
-        assert all(v is not None for row in rows for v in row), measure
 
 
 def _close(one, three, where: str, volatile=("batch_size", "seconds")) -> None:

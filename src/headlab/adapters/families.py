@@ -251,13 +251,16 @@ class Family:
     """Attribute of ``core`` holding how many columns the output projection's input has after the heads' ``n_heads x
     d_head`` (ConvBERT's ``all_head_size``: its span-based dynamic convolution heads' outputs, concatenated after the
     attention heads'); '' where it has none. headlab's per-head hooks (masks, gates, gradient importance, ablation) pass
-    them through untouched (:func:`headlab.capture.register_head_output_hooks`); physical pruning and LRP, whose
-    slicing and rules know the heads' columns only, must be refused (``refused``: checked when the entry is made)."""
+    them through untouched (:func:`headlab.capture.register_head_output_hooks`); physical pruning, whose slicing knows
+    the heads' columns only, must be refused (``refused`` or ``prune_refused``: checked when the entry is made); LRP
+    needs a mixer rule for ``core`` that covers them (:mod:`headlab.importance.mixer_rules`: ConvBERT's), else
+    :func:`headlab.importance.rules.check_rules` refuses it."""
 
     def __post_init__(self) -> None:
-        if self.columns_after_heads and (not self.refused or self.channels_first):
+        if self.columns_after_heads and (not (self.refused or self.prune_refused) or self.channels_first):
             raise ValueError(f"family {self.name!r}: columns after the heads ({self.columns_after_heads}) need a reason "
-                             "physical pruning and LRP are refused (refused), and heads' outputs on the last axis")
+                             "physical pruning is refused (refused or prune_refused), and heads' outputs on the last "
+                             "axis")
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -1398,13 +1401,11 @@ CONVBERT = Family(
     core="self",
     head_count_attrs=("num_attention_heads",),
     columns_after_heads="all_head_size",
-    refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
-            "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by the "
-            "attention head count), so removing a head would change the convolution heads, whose outputs output.dense "
-            "reads after the attention heads'",
-    lrp_refused="ConvBERT's span-based dynamic convolution heads (kernels softmax(conv_kernel_layer(query(x) * "
-                "key_conv_attn_layer(x))) applied to conv_out_layer(x) over conv_kernel_size positions) have no LRP "
-                "rule, and their outputs enter output.dense beside the attention heads'",
+    # LRP: the convolution heads' rule, headlab.importance.mixer_rules.convbert (their taps held constant)
+    prune_refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
+                  "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by "
+                  "the attention head count), so removing a head would change the convolution heads, whose outputs "
+                  "output.dense reads after the attention heads'",
     install=_install_convbert_padding_mask,
 )
 
