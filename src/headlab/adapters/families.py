@@ -242,7 +242,8 @@ class Family:
     head's relevance over the runs (:func:`headlab.importance.lrp.head_relevance`)."""
     lrp_refused: str = ""
     """Why LRP refuses this block where physical pruning does not ('' where it does not: DeepSeek-V4's, refused until
-    session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`); ``refused`` refuses both."""
+    session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`, ConvBERT's, refused until session 43,
+    :mod:`headlab.importance.mixer_rules.convbert`); ``refused`` refuses both."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
     (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise, or where a table entry says why (ConvBERT's:
