@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from headlab import HeadlabError
 from headlab.importance import ImportanceData, compute_lrp, describe_model, head_relevance, make_batches
 from headlab.importance.rules import check_rules
-from support.lrp_families import check_lrp_refused_before_any_work, check_rules_leave_the_forward_unchanged, lrp_data
+from support.lrp_families import (
+    check_lrp_refused_before_any_work,
+    check_probed_widened_and_left_as_it_was,
+    check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
+    lrp_data,
+)
 from test_convbert import CONFIGS, build
 from test_importance_lrp_reference import (
     _b,
@@ -91,6 +97,19 @@ def test_a_padded_sentence_gets_what_it_gets_alone():
 
 def test_the_rules_leave_the_forward_unchanged():
     check_rules_leave_the_forward_unchanged(_model(), padded=True)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian"])
+def test_every_strategy_gives_vmaps_shares(strategy):
+    model = _model()
+    data, info = lrp_data(model)
+    check_strategies_agree(model, data, info, strategy)
+
+
+def test_in_bfloat16_the_probes_leave_it_as_it_was_and_lrp_conserves():
+    """The rule's probe runs a float64 copy of each module: the bfloat16 model's weights stay as they were, bit for bit,
+    and LRP (computed widened) conserves to 1e-6."""
+    check_probed_widened_and_left_as_it_was(_model().to(torch.bfloat16))
 
 
 # -- the reference: ConvBERT's layers written out from their weights, relevance propagated neuron by neuron ------------
@@ -260,6 +279,29 @@ def test_taps_computed_past_the_held_modules_are_refused_before_any_work(monkeyp
     monkeypatch.setattr(modeling_convbert.ConvBertSelfAttention, "forward", _with_conv_part(same_values_other_path))
     check_lrp_refused_before_any_work(_model(), r"on a probe its relevance with query, key, key_conv_attn_layer and "
                                                 r"conv_kernel_layer detached is not the formula's")
+
+
+def _even_kernel(core) -> None:
+    core.conv_kernel_size = 4
+
+
+def _wider_kernel_layer(core) -> None:
+    core.conv_kernel_layer = torch.nn.Linear(core.all_head_size, 5 * core.num_attention_heads, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("change, match", [
+    (_even_kernel, "its conv_kernel_size 4 is even: transformers' unfold then gives one position fewer"),
+    (_wider_kernel_layer, r"its parts are not query, key, value and conv_out_layer \(Linear, to heads x d\), "
+                          r"conv_kernel_layer \(Linear, to heads x conv_kernel_size\)"),
+], ids=["even kernel", "kernel layer of another width"])
+def test_a_layout_the_rule_was_not_written_for_is_refused_before_its_probe(change, match):
+    """Read off the module's parts before any probe runs (an even conv_kernel_size: transformers' unfold then loses a
+    position and its forward fails)."""
+    model = _model()
+    change(model.convbert.encoder.layer[1].attention.self)
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for ConvBertSelfAttention "
+                                           r"\(convbert.encoder.layer.1.attention.self\): ConvBERT's .*: " + match):
+        check_rules(model)
 
 
 def test_columns_after_the_heads_without_a_rule_are_refused(monkeypatch):

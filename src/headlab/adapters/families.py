@@ -1404,9 +1404,10 @@ CONVBERT = Family(
     columns_after_heads="all_head_size",
     # LRP: the convolution heads' rule, headlab.importance.mixer_rules.convbert (their taps held constant)
     prune_refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
-                  "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by "
-                  "the attention head count), so removing a head would change the convolution heads, whose outputs "
-                  "output.dense reads after the attention heads'",
+                  "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels), so "
+                  "slicing them out would change the convolution heads, whose outputs output.dense reads after the "
+                  "attention heads'; a pruned layer that keeps the query whole (transformers' forward views query, "
+                  "key and value by one head count) needs a pruned forward headlab does not have",
     install=_install_convbert_padding_mask,
 )
 

@@ -107,15 +107,15 @@ def _layout_problem(core: Any) -> str | None:
     if (sizes := _sizes(core)) is None:
         return "its num_attention_heads, attention_head_size and conv_kernel_size are not positive numbers"
     heads, d, kernel = sizes
+    if kernel % 2 == 0:
+        return (f"its conv_kernel_size {kernel} is even: transformers' unfold then gives one position fewer than the "
+                "sentence has")
     linears = [getattr(core, name, None) for name in _LINEARS]
     widths = (heads * d, heads * d, heads * d, heads * kernel, heads * d)
     if not all(isinstance(p, nn.Linear) and p.out_features == w for p, w in zip(linears, widths)) \
             or not isinstance(getattr(core, "key_conv_attn_layer", None), nn.Module):
         return ("its parts are not query, key, value and conv_out_layer (Linear, to heads x d), conv_kernel_layer "
                 "(Linear, to heads x conv_kernel_size) and key_conv_attn_layer")
-    if kernel % 2 == 0:
-        return (f"its conv_kernel_size {kernel} is even: transformers' unfold then gives one position fewer than the "
-                "sentence has")
     return None
 
 
