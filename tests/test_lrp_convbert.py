@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headlab import HeadlabError
+from headlab import HeadlabError, prune_heads
 from headlab.importance import ImportanceData, compute_lrp, describe_model, head_relevance, make_batches
 from headlab.importance.rules import check_rules
 from support.lrp_families import (
@@ -56,7 +56,7 @@ def _conservation(model, data: ImportanceData, batch_size: int) -> dict:
 def test_the_old_refusal_is_gone(name):
     from headlab.adapters.families import CONVBERT
 
-    assert not CONVBERT.lrp_refused and not CONVBERT.refused and CONVBERT.prune_refused
+    assert not CONVBERT.lrp_refused and not CONVBERT.refused
     check_rules(build(name))  # before: "LRP: no rule for the attention of convbert.encoder.layer.0.attention ..."
 
 
@@ -93,6 +93,26 @@ def test_a_padded_sentence_gets_what_it_gets_alone():
             torch.testing.assert_close(together.relevance[key][start:start + n], values, rtol=1e-10, atol=1e-12)
         start += n
     assert start == together.logits.shape[0]
+
+
+@pytest.mark.parametrize("spec", [{("enc_self", 0): [1]}, {("enc_self", 0): [0], ("enc_self", 1): [0, 1]}],
+                         ids=["a head removed", "a layer's attention heads all removed"])
+def test_lrp_conserves_after_physical_pruning(spec):
+    """Pruned (the query kept whole, the kept heads' rows first; a layer left with its convolution heads only): the
+    probe's formula reads the pruned layout, every sentence conserved to 1e-8 in float64, the removed heads unscored
+    (NaN), the kept ones scored."""
+    import numpy as np
+
+    model = _model()
+    prune_heads(model, spec)
+    data, info = lrp_data(model)
+    scores = compute_lrp(model, data, info, batch_size=4, bootstrap=0)
+    total = scores.signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-8 and abs(total["max"] - 1) < 1e-8, total
+    for (kind, layer), heads in spec.items():
+        assert np.isnan(scores[kind][layer, heads]).all()
+        kept = [h for h in range(2) if h not in heads]
+        assert not np.isnan(scores[kind][layer, kept]).any()
 
 
 def test_the_rules_leave_the_forward_unchanged():
@@ -291,8 +311,8 @@ def _wider_kernel_layer(core) -> None:
 
 @pytest.mark.parametrize("change, match", [
     (_even_kernel, "its conv_kernel_size 4 is even: transformers' unfold then gives one position fewer"),
-    (_wider_kernel_layer, r"its parts are not query, key, value and conv_out_layer \(Linear, to heads x d\), "
-                          r"conv_kernel_layer \(Linear, to heads x conv_kernel_size\)"),
+    (_wider_kernel_layer, r"its parts are not query and conv_out_layer \(Linear, to H x d\), key and value "
+                          r"\(Linear, to its num_attention_heads x d, at most H\), conv_kernel_layer"),
 ], ids=["even kernel", "kernel layer of another width"])
 def test_a_layout_the_rule_was_not_written_for_is_refused_before_its_probe(change, match):
     """Read off the module's parts before any probe runs (an even conv_kernel_size: transformers' unfold then loses a
@@ -314,7 +334,7 @@ def test_columns_after_the_heads_without_a_rule_are_refused(monkeypatch):
     monkeypatch.setattr(mixer_rules, "_RULES", [rule for rule in mixer_rules._RULES if rule is not RULE])
     with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of convbert.encoder.layer.0.attention "
                                            r"\(convbert\): its output projection reads 16 columns after its heads' "
-                                           r"\(all_head_size\) that no LRP rule covers"):
+                                           r"\(conv_out_layer.out_features\) that no LRP rule covers"):
         check_rules(_model())
 
 

@@ -59,11 +59,11 @@ def _matches(module: nn.Module) -> bool:
 
 def taps(core: Any, x: torch.Tensor) -> torch.Tensor:
     """The convolution heads' taps ``[batch, seq, H, K]``: the softmax over the span of ``conv_kernel_layer(query(x) *
-    key_conv_attn_layer(x))``."""
-    heads, kernel = core.num_attention_heads, core.conv_kernel_size
+    key_conv_attn_layer(x))`` (every query row, a pruned layer's too)."""
+    kernel = core.conv_kernel_size
     key_conv = core.key_conv_attn_layer(x.transpose(1, 2)).transpose(1, 2)
     logits = core.conv_kernel_layer(core.query(x) * key_conv)
-    return torch.softmax(logits.view(*x.shape[:2], heads, kernel), dim=-1)
+    return torch.softmax(logits.view(*x.shape[:2], -1, kernel), dim=-1)
 
 
 def conv_heads(core: Any, u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -80,13 +80,15 @@ def conv_heads(core: Any, u: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 
 def self_attention(core: Any, x: torch.Tensor, *, held: bool = False) -> torch.Tensor:
-    """What the module returns first, ``[attention heads | convolution heads]`` ``[batch, seq, 2 H x d]`` on ``x``
-    without a mask, from its parts; ``held``: the attention weights and the taps computed without a gradient (the
-    rule)."""
+    """What the module returns first, ``[attention heads | convolution heads]`` ``[batch, seq, n x d + H x d]`` on
+    ``x`` without a mask, from its parts: ``n`` attention heads (``num_attention_heads``; fewer than ``H`` in a pruned
+    layer, whose query is whole, the kept heads' rows first), reading the first ``n x d`` query rows; ``held``: the
+    attention weights and the taps computed without a gradient (the rule)."""
     batch, seq, _ = x.shape
     heads, d = core.num_attention_heads, core.attention_head_size
     with torch.set_grad_enabled(torch.is_grad_enabled() and not held):
-        q, k = (getattr(core, name)(x).view(batch, seq, heads, d).transpose(1, 2) for name in ("query", "key"))
+        q = core.query(x)[..., :heads * d].reshape(batch, seq, heads, d).transpose(1, 2)
+        k = core.key(x).view(batch, seq, heads, d).transpose(1, 2)
         probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
         weights = taps(core, x)
     v = core.value(x).view(batch, seq, heads, d).transpose(1, 2)
@@ -95,9 +97,9 @@ def self_attention(core: Any, x: torch.Tensor, *, held: bool = False) -> torch.T
 
 
 def _sizes(core: Any) -> tuple[int, int, int] | None:
-    """``(H, d, K)`` of the module, None where one is not a positive int."""
+    """``(n, d, K)`` of the module, None where one is not an int, ``d`` and ``K`` positive."""
     sizes = [getattr(core, name, None) for name in ("num_attention_heads", "attention_head_size", "conv_kernel_size")]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes) or not all(sizes[1:]):
         return None
     heads, d, kernel = sizes
     return heads, d, kernel  # type: ignore[return-value]  # ints, checked above
@@ -105,17 +107,22 @@ def _sizes(core: Any) -> tuple[int, int, int] | None:
 
 def _layout_problem(core: Any) -> str | None:
     if (sizes := _sizes(core)) is None:
-        return "its num_attention_heads, attention_head_size and conv_kernel_size are not positive numbers"
+        return ("its num_attention_heads (0 in a layer pruned to none), attention_head_size and conv_kernel_size are "
+                "not numbers")
     heads, d, kernel = sizes
     if kernel % 2 == 0:
         return (f"its conv_kernel_size {kernel} is even: transformers' unfold then gives one position fewer than the "
                 "sentence has")
+    conv_out = getattr(core, "conv_out_layer", None)
+    convs = conv_out.out_features // d if isinstance(conv_out, nn.Linear) else 0  # its convolution heads: H >= n
     linears = [getattr(core, name, None) for name in _LINEARS]
-    widths = (heads * d, heads * d, heads * d, heads * kernel, heads * d)
-    if not all(isinstance(p, nn.Linear) and p.out_features == w for p, w in zip(linears, widths)) \
+    widths = (convs * d, heads * d, heads * d, convs * kernel, convs * d)
+    if not convs or convs < heads or not all(isinstance(p, nn.Linear) and p.out_features == w
+                                             for p, w in zip(linears, widths)) \
             or not isinstance(getattr(core, "key_conv_attn_layer", None), nn.Module):
-        return ("its parts are not query, key, value and conv_out_layer (Linear, to heads x d), conv_kernel_layer "
-                "(Linear, to heads x conv_kernel_size) and key_conv_attn_layer")
+        return ("its parts are not query and conv_out_layer (Linear, to H x d), key and value (Linear, to its "
+                "num_attention_heads x d, at most H), conv_kernel_layer (Linear, to H x conv_kernel_size) and "
+                "key_conv_attn_layer")
     return None
 
 
