@@ -8,7 +8,10 @@ hidden]`` and ``K = conv_kernel_size``, ``P = (K - 1) // 2``, as many convolutio
     u = conv_out_layer(x)                                                                       # [batch, seq, H x d]
     conv_{t,h,c} = sum_{k < K} taps_{t,h,k} u_{t + k - P, h d + c}      (u zero outside the sentence: unfold's padding)
 
-and returns ``[attention heads' outputs | conv]`` (``H x d`` columns each), which ``output.dense`` reads.
+and returns ``[attention heads' outputs | conv]`` (``H x d`` columns each), which ``output.dense`` reads. A layer
+pruned by headlab (:data:`headlab.portable_code.PRUNED_FORWARDS` ``"convbert"``) keeps ``n <= H`` attention heads
+(``num_attention_heads``, ``n`` may be 0) reading the first ``n x d`` rows of its whole query, the kept heads' first,
+and all ``H`` convolution heads: ``[n x d | H x d]`` columns.
 ``key_conv_attn_layer`` (``SeparableConv1D``: a depthwise ``Conv1d`` of ``K`` taps with ``K // 2`` zeros each side, a
 pointwise ``Conv1d``, a bias) reads ``x`` transposed; its output feeds the taps only.
 
