@@ -1,4 +1,4 @@
-"""ConvBERT: its attention heads analysed, masked and gated; physical pruning and LRP refused before any work.
+"""ConvBERT: its attention heads analysed, masked, gated and physically pruned.
 
 Before session 40 the whole model was refused (``adapters.families.UNSUPPORTED["convbert"]``: "ConvBERT's
 self-attention mixes its attention heads with span-based dynamic convolution heads ..."), so every test here failed on
@@ -8,8 +8,11 @@ span-based dynamic convolution heads whose kernels come from ``query(x) * key_co
 reads ``[attention heads' outputs | convolution heads' outputs]``. So: capture is the probabilities the module returns;
 masking a head zeroes its columns among the first ``heads x d`` (what transformers' old ``head_mask`` did: it multiplied
 ``attention_probs``), the convolution heads' columns untouched, checked against that by hand on padded float64 batches;
-gates (constant, scalar, Hard Concrete) act there too. Removing a head's query rows would change the convolution heads,
-and the dynamic convolution has no LRP rule: both are refused before any work, the model unchanged and never run.
+gates (constant, scalar, Hard Concrete) act there too. Physical pruning (session 43; refused before, every query row
+feeding the convolution heads' kernels) keeps the query whole, the kept heads' rows first (the query channels of
+key_conv_attn_layer and conv_kernel_layer reordered with them), a pruned forward reading those rows; it equals masking
+in float64 and reloads with load_pruned and plain transformers. LRP (refused until session 43, its convolution heads
+without a rule): tests/test_lrp_convbert.py.
 
 Its convolutions read a padded batch's padding in transformers; headlab zeroes it where they read it
 (``headlab.adapters.convbert``), so a row of a padded batch is the row alone: the tests on that failed before (maps,
@@ -372,56 +375,99 @@ def test_confidence_is_the_same_on_every_engine():
     check_confidence_on_every_engine(model, data, info)
 
 
-def test_a_family_with_columns_after_its_heads_must_say_why_pruning_and_lrp_are_refused():
-    """The per-head hooks pass the columns after the heads through; pruning's slicing and LRP's rules do not know them,
-    so a table entry with such columns and no refusal is an error when it is written."""
+def test_a_family_with_columns_after_its_heads_must_say_how_pruning_keeps_them():
+    """The per-head hooks pass the columns after the heads through; pruning's slicing knows them only with a pruned
+    forward that keeps them (ConvBERT's), so a table entry with such columns, no such forward and no pruning refusal is
+    an error when it is written (LRP needs a mixer rule covering them: tests/test_lrp_convbert.py)."""
     from headlab.adapters.families import CONVBERT, Family
 
-    with pytest.raises(ValueError, match="need a reason physical pruning and LRP are refused"):
+    with pytest.raises(ValueError, match="need a reason physical pruning is refused .* or a pruned forward that keeps"):
         Family(name="x", patterns=(), q="q", k="k", v="v", o="o", d_head_attr="d", columns_after_heads="width")
-    assert CONVBERT.refused and CONVBERT.lrp_refused and CONVBERT.columns_after_heads == "all_head_size"
+    assert not CONVBERT.prune_refused and not CONVBERT.refused and not CONVBERT.lrp_refused
+    assert CONVBERT.columns_after_heads == "conv_out_layer.out_features" and CONVBERT.pruned_forward == "convbert"
 
 
-def _never_run(model) -> list[int]:
-    calls = [0]
-    model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
-    return calls
+PRUNINGS = {
+    "partial": ({("enc_self", 0): [1]}, [1, 2]),
+    "a layer's attention heads all removed": ({("enc_self", 0): [0], ("enc_self", 1): [0, 1]}, [1, 0]),
+}
 
 
-def test_pruning_is_refused_before_any_work():
-    """prune_heads (and check_prunable, which prune train calls first) refuse naming the convolution heads the query
-    rows feed; the weights unchanged, the model never run."""
-    from headlab.surgery import check_prunable
+def _pruned_and_masked(name: str, spec: dict) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model ``name`` pruned by ``spec`` (headlab's own check passed: it equals masking on its probe) and the
+    masked model's logits on the padded batch."""
+    from support.family_matrix import padded_inputs, padded_logits
 
-    model = build()
-    before = {name: p.clone() for name, p in model.state_dict().items()}
-    calls = _never_run(model)
-    message = r"physical pruning is refused: a head's query rows also feed ConvBERT's span-based dynamic convolution"
-    for action in (lambda: prune_heads(model, {("enc_self", 0): [1]}), lambda: check_prunable(model)):
-        with pytest.raises(HeadlabError, match=message):
-            action()
-    assert calls == [0]
-    after = model.state_dict()
-    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
-    assert [b.n_heads for b in attention_blocks(model)] == [2, 2]
+    model = build(name)
+    ids, mask = padded_inputs(pad_id=2)
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+    prune_heads(model, spec)
+    return model, expected
 
 
-def test_lrp_is_refused_before_any_work():
-    """compute_lrp refuses naming the dynamic convolution, before any forward pass; the weights unchanged."""
-    from headlab.data.inputs import ImportanceData
-    from headlab.importance.lrp import compute_lrp
-    from headlab.model_description import describe_model
+@pytest.mark.parametrize("name,spec", [("ratio2", spec) for spec, _ in PRUNINGS.values()] +
+                         [("one-head", {("enc_self", 1): [0]})], ids=[*PRUNINGS, "one head, removed"])
+def test_pruned_equals_masked_in_float64(name, spec):
+    """The query kept whole, the kept heads' rows first (key_conv_attn_layer's and conv_kernel_layer's query channels
+    reordered with them), key and value rows and output.dense's head columns sliced, the convolution heads' columns
+    kept: the logits on a padded batch (right and left padding) are the masked model's, to 1e-12; a layer whose
+    attention heads are all removed keeps its convolution heads (its pruned forward, no stand-in). Before, refused
+    ("a head's query rows also feed ConvBERT's span-based dynamic convolution heads")."""
+    from support.family_matrix import padded_inputs, padded_logits
 
-    model = build()
-    info = describe_model(model)
-    before = {name: p.clone() for name, p in model.state_dict().items()}
-    calls = _never_run(model)
-    data = ImportanceData.from_ids([[5, 6, 7], [8, 9, 10, 11, 12]])
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of .*ConvBERT's span-based dynamic "
-                                           r"convolution heads .* have no LRP rule"):
-        compute_lrp(model, data, info, bootstrap=0)
-    assert calls == [0]
-    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    model, expected = _pruned_and_masked(name, spec)
+    torch.testing.assert_close(padded_logits(model, *padded_inputs(pad_id=2)), expected, atol=1e-12, rtol=0)
+    heads, d = HEADS[name]
+    for block in attention_blocks(model):
+        left = heads - len(spec.get(block.key, []))
+        core = block.core
+        assert (block.n_heads, block.columns_after, type(core).__name__) == (left, heads * d, "ConvBertSelfAttention")
+        assert (core.query.out_features, core.key.out_features, core.value.out_features) == \
+            (heads * d, left * d, left * d)
+        assert block.o.in_features == left * d + heads * d
+
+
+def test_pruned_twice_equals_masked():
+    """Pruned again (current numbering: the first pruning's kept heads renumbered from 0), the query's rows reordered
+    again: the logits are those of the model with both removals masked, to 1e-12."""
+    from support.family_matrix import padded_inputs, padded_logits
+
+    model, _ = _pruned_and_masked("ratio2", {("enc_self", 0): [0]})
+    reference = build("ratio2")
+    ids, mask = padded_inputs(pad_id=2)
+    with mask_heads(reference, {("enc_self", 0): [0, 1], ("enc_self", 1): [1]}):
+        expected = padded_logits(reference, ids, mask)
+    prune_heads(model, {("enc_self", 0): [0], ("enc_self", 1): [1]})
+    assert [b.n_heads for b in attention_blocks(model)] == [0, 1]
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("plan", list(PRUNINGS))
+def test_pruned_reloads(plan, tmp_path):
+    """save_pruned, then load_pruned (the padded batch: the masked model's logits) and plain transformers (trust_remote_code:
+    pruned_heads.py, every weight loaded, none reshaped; transformers' own padded computation differs from headlab's, so
+    rows without padding: the masked model's logits there)."""
+    import json
+
+    from headlab import load_pruned, save_pruned
+    from support.family_matrix import padded_inputs, padded_logits
+
+    spec, heads_left = PRUNINGS[plan]
+    whole = tiny_inputs(batch=2, pad=False)
+    masked = build()
+    with mask_heads(masked, spec):
+        expected_whole = logits(masked, whole)
+    model, expected = _pruned_and_masked("ratio2", spec)
+    save_pruned(model, tmp_path)
+    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
+    reloaded = load_pruned(tmp_path)
+    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
+    torch.testing.assert_close(padded_logits(reloaded, *padded_inputs(pad_id=2)).to(expected.dtype), expected,
+                               atol=1e-5, rtol=0)  # load_pruned's default dtype: float32
+    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    torch.testing.assert_close(logits(plain.eval(), whole).to(expected_whole.dtype), expected_whole, atol=1e-5, rtol=0)
 
 
 def test_a_decoders_cross_attention_is_idle():
@@ -430,29 +476,6 @@ def test_a_decoders_cross_attention_is_idle():
     blocks = attention_blocks(build(is_decoder=True, add_cross_attention=True))
     assert [(b.kind, b.layer, b.idle) for b in blocks] == \
         [("enc_self", 0, False), ("enc_self", 1, False), ("dec_cross", 0, True), ("dec_cross", 1, True)]
-
-
-def test_analyze_end_to_end(tmp_path):
-    """`headlab analyze --ablation` on a saved tiny ConvBERT: every stage done but LRP, refused before its work naming
-    the dynamic convolution; both layers' heads scored by confidence, gradient and ablation. Before: every stage
-    refused with the model."""
-    import json
-
-    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
-
-    model = build().float()
-    save_tiny(model, tmp_path / "model", treebank_files(tmp_path), style="bert")
-    code, stages = analyze(tmp_path / "model", tmp_path)
-    for name in ANALYZE_STAGES:
-        assert stages[name]["status"] == "done", stages[name]
-    # a stage refused with a HeadlabError is recorded as failed, its reason the refusal, and the run exits 1
-    assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
-    assert "LRP: no rule for the attention of convbert.encoder.layer.0.attention (convbert): ConvBERT's span-based " \
-           "dynamic convolution heads" in stages["lrp"]["reason"], stages["lrp"]
-    for measure in ("confidence", "gradient", "ablation"):
-        rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["enc_self"]
-        assert [len(row) for row in rows] == [2, 2], measure
-        assert all(v is not None for row in rows for v in row), measure
 
 
 def _close(one, three, where: str, volatile=("batch_size", "seconds")) -> None:

@@ -152,7 +152,8 @@ def test_deberta_analyze_end_to_end(tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-# -- ConvBERT: analysed, masked and gated since session 40, its pruning and LRP refused: tests/test_convbert.py -------
+# -- ConvBERT: analysed, masked and gated since session 40, LRP since session 43, its pruning refused --------------------
+# (tests/test_convbert.py, tests/test_lrp_convbert.py)
 
 
 def _deberta_v2(cls=tf.DebertaV2ForMaskedLM, **extra) -> torch.nn.Module:

@@ -412,13 +412,54 @@ def _prophetnet_attention_forward(self, hidden_states, key_value_states=None, at
     return attn_output, attn_weights_reshaped
 
 
+def _convbert_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+    """ConvBERT's ``ConvBertSelfAttention.forward`` (transformers 5.24, modeling_convbert) line for line, but that its
+    query is kept whole, the kept heads' rows first (every row feeds the convolution heads' kernels: headlab's pruning
+    reorders it and ``key_conv_attn_layer``'s and ``conv_kernel_layer``'s query channels with it), the attention reading
+    the first ``num_attention_heads * attention_head_size`` rows, and that the convolution heads keep their own width
+    (``conv_out_layer``'s, their count ``conv_kernel_layer``'s rows over ``conv_kernel_size``), with no attention head
+    left too."""
+    import math
+
+    input_shape = hidden_states.shape[:-1]
+    heads, d, kernel = self.num_attention_heads, self.attention_head_size, self.conv_kernel_size
+    conv_width = self.conv_out_layer.out_features
+    hidden_shape = (*input_shape, heads, d)
+    states = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+    mixed_key_layer, mixed_value_layer = self.key(states), self.value(states)
+    mixed_key_conv_attn_layer = self.key_conv_attn_layer(hidden_states.transpose(1, 2)).transpose(1, 2)
+    mixed_query_layer = self.query(hidden_states)
+    query_layer = mixed_query_layer[..., :heads * d].reshape(hidden_shape).transpose(1, 2)
+    key_layer = mixed_key_layer.view(*mixed_key_layer.shape[:-1], heads, d).transpose(1, 2)
+    value_layer = mixed_value_layer.view(*mixed_value_layer.shape[:-1], heads, d).transpose(1, 2)
+    conv_attn_layer = torch.multiply(mixed_key_conv_attn_layer, mixed_query_layer)
+    conv_kernel_layer = self.conv_kernel_layer(conv_attn_layer)
+    conv_kernel_layer = torch.softmax(torch.reshape(conv_kernel_layer, [-1, kernel, 1]), dim=1)
+    conv_out_layer = self.conv_out_layer(hidden_states)
+    conv_out_layer = torch.reshape(conv_out_layer, [input_shape[0], -1, conv_width])
+    conv_out_layer = conv_out_layer.transpose(1, 2).contiguous().unsqueeze(-1)
+    conv_out_layer = nn.functional.unfold(conv_out_layer, kernel_size=[kernel, 1], dilation=1,
+                                          padding=[(kernel - 1) // 2, 0], stride=1)
+    conv_out_layer = conv_out_layer.transpose(1, 2).reshape(input_shape[0], -1, conv_width, kernel)
+    conv_out_layer = torch.reshape(conv_out_layer, [-1, d, kernel])
+    conv_out_layer = torch.matmul(conv_out_layer, conv_kernel_layer)
+    conv_out = torch.reshape(conv_out_layer, [*input_shape, conv_width])
+    attention_scores = torch.matmul(query_layer, key_layer.transpose(-1, -2)) / math.sqrt(d)
+    if attention_mask is not None:
+        attention_scores = attention_scores + attention_mask
+    attention_probs = self.dropout(nn.functional.softmax(attention_scores, dim=-1))
+    context_layer = torch.matmul(attention_probs, value_layer).permute(0, 2, 1, 3).reshape(*input_shape, heads * d)
+    return torch.cat([context_layer, conv_out], dim=-1), attention_probs
+
+
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
                    "longformer": _longformer_forward, "mvp": _mvp_forward,
-                   "pegasus-x": _pegasus_x_forward, "prophetnet-attention": _prophetnet_attention_forward}
+                   "pegasus-x": _pegasus_x_forward, "prophetnet-attention": _prophetnet_attention_forward,
+                   "convbert": _convbert_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
 TrOCR's, LED's decoder's, Longformer's, MVP's, PEGASUS-X's encoder's and ProphetNet's merge the heads into the hidden
-states' width; ProphetNet's encoder and cross attention also check masks built for the config's heads): the plan's
-``classes`` name one per layer (:func:`pruned_class`)."""
+states' width; ProphetNet's encoder and cross attention also check masks built for the config's heads; ConvBERT's
+keeps its query whole and its convolution heads): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

@@ -677,8 +677,9 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     if grouped(block.o):  # DeepSeek-V4's o_a_proj: each group's kept heads, as many in each (_check_groups_kept)
         _slice_grouped_inputs(block, keep, journal)
-    else:
-        _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
+    else:  # the heads' outputs: value-sized; then the columns after them, kept (ConvBERT's convolution heads')
+        after = torch.arange(block.n_heads * d, block.n_heads * d + block.columns_after, device=q_index.device)
+        _slice_inputs(block.o, torch.cat([q_index, after]), journal)
     _slice_sub_norm(block, q_index, journal)  # a norm over them before o_proj (BitNet's attn_sub_norm)
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
@@ -724,7 +725,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if keep:  # NeoMME's value embeddings: the kept key/value heads' columns
         _narrow_value_embeddings(model, block, [kv_kept[j] for j in kv_keep], journal)
-    else:
+    elif not family.query_channels:  # ConvBERT's layer keeps its convolution heads: its pruned forward, no head
         _replace_with_zero_heads(model, block, journal)
 
 
@@ -836,9 +837,28 @@ def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list
 
 def _give_pruned_forward(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
     """A layer whose own forward cannot run with fewer heads (FSMT's and TrOCR's merge them into the hidden states'
-    width) takes the family's (``Family.pruned_forward``): the same computation, merging the kept heads."""
-    if block.family.pruned_forward and keep:
+    width) takes the family's (``Family.pruned_forward``): the same computation, merging the kept heads; ConvBERT's
+    (``Family.query_channels``) with no head left too, its convolution heads still run."""
+    if block.family.pruned_forward and (keep or block.family.query_channels):
         journal.set(block.core, "__class__", pruned_class(type(block.core), block.family.pruned_forward))
+
+
+def _reorder_query(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
+    """A query kept whole (``Family.query_channels``: ConvBERT's, whose every row feeds the convolution heads' kernels):
+    its rows reordered, the kept heads' first, then the heads removed, then the rows an earlier pruning put after the
+    heads, and the parameters indexed by its channels reordered with them, so the channel-wise products and the maps
+    reading them compute the same sums (in another order)."""
+    assert block.q is not None
+    d = block.d_qk
+    removed = [h for h in range(block.n_heads) if h not in keep]
+    heads = _head_index(keep + removed, d, block.q.weight.device)
+    order = torch.cat([heads, torch.arange(block.n_heads * d, out_features(block.q), device=heads.device)])
+    _slice_outputs(block.q, order, journal)
+    for path, dim in block.family.query_channels:
+        owner_path, _, name = path.rpartition(".")
+        owner = block.core.get_submodule(owner_path) if owner_path else block.core
+        parameter = getattr(owner, name)
+        _replace(owner, name, parameter.index_select(dim, order.to(parameter.device)), journal)
 
 
 def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], kv_index: torch.Tensor,
@@ -851,6 +871,8 @@ def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], 
     norms = _whole_width_norms(block)[0] if keep else {}
     if "q" in norms:
         _select_heads(block, norms["q"], block.q, keep, journal)
+    elif block.family.query_channels:  # ConvBERT's: whole, the kept heads' rows first
+        _reorder_query(block, keep, journal)
     else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
         _slice_outputs(block.q, _head_index(keep, 2 * d_qk if block.family.query_gate else d_qk, device), journal)
     if block.family.kv_from:  # keys and values from another layer, all kept (_check_sharing_layer_kept): queries only
@@ -1801,7 +1823,7 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
               block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
     found = []
     for name, child in block.core.named_children():
-        if name in block.family.output_norms or name in block.family.input_readers:
+        if name in (*block.family.output_norms, *block.family.input_readers, *block.family.kept_whole):
             continue
         for pname, parameter in child.named_parameters():
             if id(parameter) in known:

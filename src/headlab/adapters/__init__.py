@@ -946,7 +946,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         # a projection kept whole under a norm over all its heads, its heads selected after the norm (a pruned
         # OLMo 2): the width the attention reads
         narrowed = selected_widths(module)
-        q_width, kv_width = narrowed.get(id(q), out_features(q)), narrowed.get(id(k), out_features(k))
+        q_width = _attended_width(family, narrowed.get(id(q), out_features(q)), in_features(o) - after)
+        kv_width = narrowed.get(id(k), out_features(k))
         if family.query_gate:  # [query | gate] per head: the heads' width is half of it
             if q_width % (2 * d_head):
                 raise HeadlabError(f"{where}: query projection width {q_width} is not heads x [query | gate] of "
@@ -988,12 +989,20 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
                           d_qk=family.d_qk or d_head, columns_after=after)
 
 
+def _attended_width(family: Family, q_width: int, heads_width: int) -> int:
+    """The query rows the attention reads: ``q_width``, or, of a query that pruning keeps whole (``Family.query_channels``:
+    ConvBERT's, the kept heads' rows first), the first ``heads_width`` (the output projection's heads' columns)."""
+    return min(q_width, heads_width) if family.query_channels else q_width
+
+
 def _columns_after(where: str, core: nn.Module, family: Family) -> int:
     """How many columns of the output projection's input follow the heads' (``Family.columns_after_heads``), read
     off ``core``; 0 where the family has none."""
     if not family.columns_after_heads:
         return 0
-    value = getattr(core, family.columns_after_heads, None)
+    value: Any = core
+    for name in family.columns_after_heads.split("."):  # a dotted path (ConvBERT's conv_out_layer.out_features)
+        value = getattr(value, name, None)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise HeadlabError(f"{where}: no width {family.columns_after_heads!r} of the output projection's columns "
                            "after the heads' (the family's columns_after_heads)")

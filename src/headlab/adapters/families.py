@@ -210,6 +210,17 @@ class Family:
     into the mask before the attention function; LongT5 transient-global's ``global_input_layer_norm``, over the sum of
     each global block's input states, of the model's width, before the layer's k and v): pruning leaves them whole,
     whatever their widths, and takes none for a norm over a projection's heads."""
+    query_channels: tuple[tuple[str, int], ...] = ()
+    """(parameter path relative to ``core``, dimension) of the parameters indexed by the query projection's output
+    channels besides the attention (ConvBERT's: ``key_conv_attn_layer``'s pointwise rows and bias, multiplied channel by
+    channel with the query, and ``conv_kernel_layer``'s columns, which read that product for the convolution heads'
+    kernels); '' where none. Physical pruning keeps such a query whole, its rows reordered, the kept heads' first (then
+    the others'), and these parameters reordered with them, so the kernels are unchanged; the attention reads the first
+    heads x d rows (the family's ``pruned_forward``), and blocks count the heads from the output projection's input."""
+    kept_whole: tuple[str, ...] = ()
+    """Children of ``core`` that pruning leaves whole (ConvBERT's convolution heads: ``key_conv_attn_layer``,
+    ``conv_kernel_layer``, ``conv_out_layer``, of the original head count's widths), whose parameters' head-sized
+    widths are not heads physical pruning must slice."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -242,22 +253,28 @@ class Family:
     head's relevance over the runs (:func:`headlab.importance.lrp.head_relevance`)."""
     lrp_refused: str = ""
     """Why LRP refuses this block where physical pruning does not ('' where it does not: DeepSeek-V4's, refused until
-    session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`); ``refused`` refuses both."""
+    session 40, has its rule, :mod:`headlab.importance.shared_kv_rule`, ConvBERT's, refused until session 43,
+    :mod:`headlab.importance.mixer_rules.convbert`); ``refused`` refuses both."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
-    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise, or where a table entry says why (ConvBERT's:
-    its query heads feed its convolution heads); '' elsewhere: said instead of "layout unknown"."""
+    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise, or where a table entry says why; ''
+    elsewhere: said instead of "layout unknown"."""
     columns_after_heads: str = ""
-    """Attribute of ``core`` holding how many columns the output projection's input has after the heads' ``n_heads x
-    d_head`` (ConvBERT's ``all_head_size``: its span-based dynamic convolution heads' outputs, concatenated after the
-    attention heads'); '' where it has none. headlab's per-head hooks (masks, gates, gradient importance, ablation) pass
-    them through untouched (:func:`headlab.capture.register_head_output_hooks`); physical pruning and LRP, whose
-    slicing and rules know the heads' columns only, must be refused (``refused``: checked when the entry is made)."""
+    """Attribute of ``core`` (a dotted path) holding how many columns the output projection's input has after the
+    heads' ``n_heads x d_head`` (ConvBERT's ``conv_out_layer.out_features``: its span-based dynamic convolution heads'
+    outputs, concatenated after the attention heads'); '' where it has none. headlab's per-head hooks (masks, gates,
+    gradient importance, ablation) pass them through untouched (:func:`headlab.capture.register_head_output_hooks`);
+    physical pruning, whose slicing knows the heads' columns only, must be refused (``refused`` or ``prune_refused``)
+    or keep them with a forward of its own (``query_channels`` and ``pruned_forward``: ConvBERT's; checked when the
+    entry is made); LRP needs a mixer rule for ``core`` that covers them (:mod:`headlab.importance.mixer_rules`:
+    ConvBERT's), else :func:`headlab.importance.rules.check_rules` refuses it."""
 
     def __post_init__(self) -> None:
-        if self.columns_after_heads and (not self.refused or self.channels_first):
+        pruning_knows = self.refused or self.prune_refused or (self.query_channels and self.pruned_forward)
+        if self.columns_after_heads and (not pruning_knows or self.channels_first):
             raise ValueError(f"family {self.name!r}: columns after the heads ({self.columns_after_heads}) need a reason "
-                             "physical pruning and LRP are refused (refused), and heads' outputs on the last axis")
+                             "physical pruning is refused (refused or prune_refused) or a pruned forward that keeps "
+                             "them (query_channels, pruned_forward), and heads' outputs on the last axis")
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -1397,14 +1414,15 @@ CONVBERT = Family(
     d_head_attr="attention_head_size",
     core="self",
     head_count_attrs=("num_attention_heads",),
-    columns_after_heads="all_head_size",
-    refused="a head's query rows also feed ConvBERT's span-based dynamic convolution heads (their kernels are "
-            "conv_kernel_layer(query(x) * key_conv_attn_layer(x)), over every head's query channels, shaped by the "
-            "attention head count), so removing a head would change the convolution heads, whose outputs output.dense "
-            "reads after the attention heads'",
-    lrp_refused="ConvBERT's span-based dynamic convolution heads (kernels softmax(conv_kernel_layer(query(x) * "
-                "key_conv_attn_layer(x))) applied to conv_out_layer(x) over conv_kernel_size positions) have no LRP "
-                "rule, and their outputs enter output.dense beside the attention heads'",
+    columns_after_heads="conv_out_layer.out_features",
+    # LRP: the convolution heads' rule, headlab.importance.mixer_rules.convbert (their taps held constant).
+    # Pruning: every head's query rows feed the convolution heads' kernels, so the query stays whole, the kept heads'
+    # rows first, key_conv_attn_layer's and conv_kernel_layer's query channels reordered with them; key, value and
+    # output.dense's head columns sliced; a layer with no attention head left keeps its convolution heads
+    query_channels=(("key_conv_attn_layer.pointwise.weight", 0), ("key_conv_attn_layer.bias", 0),
+                    ("conv_kernel_layer.weight", 1)),
+    kept_whole=("key_conv_attn_layer", "conv_kernel_layer", "conv_out_layer"),
+    pruned_forward="convbert",
     install=_install_convbert_padding_mask,
 )
 

@@ -601,12 +601,17 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
         # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused), or a table's
-        # reason whatever its projections (ConvBERT's dynamic convolution heads)
+        # reason whatever its projections
         untied = block.q is None and block.qkv is None
         refused = block.family.lrp_refused or block.family.refused or \
             (FUSED_REFUSED.get(type(block.core).__name__) if untied else None)
         if block.n_heads and refused:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
+        if block.n_heads and block.columns_after and mixer_rules.rule_for(block.core) is None:
+            raise HeadlabError(
+                f"LRP: no rule for the attention of {block.name} ({block.family.name}): its output projection reads "
+                f"{block.columns_after} columns after its heads' ({block.family.columns_after_heads}) that no LRP rule "
+                "covers (ConvBERT's convolution heads have one: headlab.importance.mixer_rules.convbert)")
         if block.n_heads and (problem := head_map_problem(block)):  # a per-head map before o_proj without a rule
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied

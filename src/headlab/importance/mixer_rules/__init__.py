@@ -96,7 +96,7 @@ class ScoreBiasRule:
 _RULES: list[MixerRule | ExpertsRule | ScoreBiasRule] = []
 
 _PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning", "mamba", "inkling", "inkling2",
-                             "hyper_connection", "kda", "prophetnet")
+                             "hyper_connection", "kda", "prophetnet", "convbert")
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
