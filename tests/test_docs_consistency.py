@@ -15,7 +15,8 @@ experiments/*.md, in code only (inline spans and fenced blocks):
 * every ``make TARGET`` is a target of the Makefile;
 * every repository path (``tests/test_x.py``, ``experiments/foo.py``, ...) exists, and a cited
   test (``tests/test_x.py::test_y``) is defined in its file;
-* every dotted name under ``headlab.`` or ``reproduction.`` imports or resolves to an attribute.
+* every dotted name under ``headlab.`` or ``reproduction.`` imports or resolves to an attribute, and
+  so does every name a snippet imports from them (``from headlab.report import build_report``).
 
 Left out: docs/benchmarks.md (its dated sections quote the commands of their day) and
 docs/results/ (recorded runs). Placeholders (``MODEL``, ``<model>``, ``...``) are not checked.
@@ -234,6 +235,9 @@ def resolves(dotted: str) -> bool:
 
 def name_problems(code: str) -> list[str]:
     names = re.findall(r"(?<![\w./-])((?:headlab|reproduction)(?:\.[A-Za-z_]\w*)+)", code)
+    imported = re.match(r"\s*from ((?:headlab|reproduction)[\w.]*) import ([\w, ]+)", code)  # a snippet's import line
+    if imported:
+        names += [f"{imported.group(1)}.{name.strip()}" for name in imported.group(2).split(",") if name.strip()]
     return [f"{name} does not resolve" for name in names
             if not name.endswith((".md", ".json", ".py")) and not resolves(name)]
 
@@ -288,3 +292,6 @@ def test_the_checks_catch_each_kind_of_drift():
         assert parse_problems(fine) == [], fine
     assert name_problems("headlab.attention.NAME and headlab.importance.run_importance") == []
     assert name_problems("headlab.attention.no_such_name") == ["headlab.attention.no_such_name does not resolve"]
+    assert name_problems("from headlab.report import build_report, load_example  # the API") == []
+    assert name_problems("from headlab.report import build_report, no_such_name") == [
+        "headlab.report.no_such_name does not resolve"]
