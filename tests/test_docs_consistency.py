@@ -8,11 +8,15 @@ experiments/*.md, in code only (inline spans and fenced blocks):
   option's old name is refused: it goes in the next release, headlab.options.Renamed), and a
   value of an option with choices is one of them. A command goes through the CLI's own
   ``rewrite_argv`` first, so the older forms it keeps working (``prune MODEL``, ``nmt evaluate
-  --model DIR``, which the model cards' generated score tables record) pass;
+  --model DIR``, which the model cards' generated score tables record) pass. A command of a
+  fenced block continued over lines (``\\``) is read whole, and one written out in full (no
+  placeholder) is parsed as the command line parses it: no required option left out, no value of
+  the wrong type;
 * every ``make TARGET`` is a target of the Makefile;
 * every repository path (``tests/test_x.py``, ``experiments/foo.py``, ...) exists, and a cited
   test (``tests/test_x.py::test_y``) is defined in its file;
-* every dotted name under ``headlab.`` or ``reproduction.`` imports or resolves to an attribute.
+* every dotted name under ``headlab.`` or ``reproduction.`` imports or resolves to an attribute, and
+  so does every name a snippet imports from them (``from headlab.report import build_report``).
 
 Left out: docs/benchmarks.md (its dated sections quote the commands of their day) and
 docs/results/ (recorded runs). Placeholders (``MODEL``, ``<model>``, ``...``) are not checked.
@@ -21,7 +25,9 @@ docs/results/ (recorded runs). Placeholders (``MODEL``, ``<model>``, ``...``) ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import re
 import shlex
 from collections.abc import Iterator
@@ -41,28 +47,36 @@ DOCUMENTS = [path for path in sorted([REPO / "README.md", REPO / "CONTRIBUTING.m
 IDS = [path.relative_to(REPO).as_posix() for path in DOCUMENTS]
 # Placeholders and alternatives stand for values, not values: `MODEL`, `<model>`, `{a,b}`, `a|b`, `$X`, `...`.
 PLACEHOLDER = re.compile(r"^[A-Z<\[{$]|[|*<>{}]|\.\.\.|…")
+HEADLAB_COMMAND = r"(?:^|(?<=[\s/;&|(]))headlab\s+(\S.*)"  # `headlab` as a word, then its arguments
 TOP_FOLDERS = "src|tests|experiments|benchmarks|examples|docs|models|data|reproduction"
 # CONTRIBUTING.md's worked example registers modules a contributor would write; the example's code
 # is tests/support/plugins.py (tests/test_plugins.py runs it), so its names resolve there.
 WORKED_EXAMPLE = ("headlab.importance.out_norm.", "headlab.functions.first_token.", "headlab.report.first_token.")
 
 
-def code_quotes(text: str) -> Iterator[tuple[int, str]]:
-    """``(line, code)`` for each line of a fenced block and each inline span of the prose (a span
-    may wrap over lines); a shell line continued with a backslash is joined to the next."""
-    in_fence, prose = False, []
+def code_quotes(text: str) -> Iterator[tuple[int, str, bool]]:
+    """``(line, code, fenced)`` for each line of a fenced block, a shell line continued with a
+    backslash joined to the next ones into one line (numbered by its first), and each inline span
+    of the prose (a span may wrap over lines)."""
+    in_fence, prose, continued, first = False, [], "", 0
     for number, line in enumerate(text.splitlines(), 1):
+        prose.append("" if in_fence or line.lstrip().startswith("```") else line)
         if line.lstrip().startswith("```"):
             in_fence = not in_fence
-            prose.append("")
+            if continued:  # a block that ends on a backslash
+                yield first, continued, True
+            continued = ""
         elif in_fence:
-            prose.append("")
-            yield number, line
-        else:
-            prose.append(line)
+            first = first if continued else number
+            continued += line
+            if line.rstrip().endswith("\\"):
+                continued = continued.rstrip()[:-1] + " "
+            else:
+                yield first, continued, True
+                continued = ""
     joined = "\n".join(prose)
     for span in re.finditer(r"`([^`]+)`", joined):
-        yield joined.count("\n", 0, span.start()) + 1, span.group(1).replace("\n", " ")
+        yield joined.count("\n", 0, span.start()) + 1, span.group(1).replace("\n", " "), False
 
 
 def shell_words(code: str) -> list[str]:
@@ -125,7 +139,7 @@ def option_problems(parser: argparse.ArgumentParser, command: str, words: list[s
 def command_problems(code: str) -> list[str]:
     """What is wrong with the ``headlab`` and ``python -m reproduction`` commands in one quote."""
     problems = []
-    for found in re.finditer(r"(?:^|(?<=[\s/;&|(]))headlab\s+(\S.*)", code):
+    for found in re.finditer(HEADLAB_COMMAND, code):
         words = shell_words(found.group(1))
         if not words or words[0] == "reproduce":  # moved out; `headlab reproduce` says where (headlab.cli)
             continue
@@ -147,6 +161,41 @@ def command_problems(code: str) -> list[str]:
 
         problems += option_problems(build_parser(), "python -m reproduction", shell_words(found.group(1)))
     return problems
+
+
+def parse_problems(code: str) -> list[str]:
+    """What argparse says of each ``headlab`` and ``python -m reproduction`` command of a fenced
+    block written out in full (no placeholder; a message quoted from a run, ``headlab nmt train:
+    interrupted ...``, is no command): a required option left out, a value of the wrong type, an
+    argument too many. Exit 0 (``--help``) is fine."""
+    from reproduction.cli import build_parser
+
+    commands = [(headlab_parsers()[()], words) for words in headlab_commands(code)]
+    commands += [(build_parser(), shell_words(found.group(1)))
+                 for found in re.finditer(r"python3? -m reproduction(\s.*|$)", code)]
+    problems = []
+    for parser, words in commands:
+        if any(PLACEHOLDER.search(word) or word.endswith(":") for word in words):
+            continue
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args(words)
+        except SystemExit as error:
+            if error.code:
+                problems.append(said.getvalue().strip().splitlines()[-1])
+    return problems
+
+
+def headlab_commands(code: str) -> Iterator[list[str]]:
+    """The words after ``headlab`` of each command of one of its (sub-)commands in ``code``, after
+    the CLI's own ``rewrite_argv``."""
+    for found in re.finditer(HEADLAB_COMMAND, code):
+        words = shell_words(found.group(1))
+        if words and (words[0],) in headlab_parsers():
+            for rewrite in rewrites():
+                words = rewrite(words)
+            yield words
 
 
 def path_problems(code: str, document: Path) -> list[str]:
@@ -186,6 +235,9 @@ def resolves(dotted: str) -> bool:
 
 def name_problems(code: str) -> list[str]:
     names = re.findall(r"(?<![\w./-])((?:headlab|reproduction)(?:\.[A-Za-z_]\w*)+)", code)
+    imported = re.match(r"\s*from ((?:headlab|reproduction)[\w.]*) import ([\w, ]+)", code)  # a snippet's import line
+    if imported:
+        names += [f"{imported.group(1)}.{name.strip()}" for name in imported.group(2).split(",") if name.strip()]
     return [f"{name} does not resolve" for name in names
             if not name.endswith((".md", ".json", ".py")) and not resolves(name)]
 
@@ -198,8 +250,9 @@ def makefile_targets() -> set[str]:
 def test_quoted_commands_options_paths_and_names_exist(document):
     targets = makefile_targets()
     problems = []
-    for line, code in code_quotes(document.read_text(encoding="utf-8")):
+    for line, code, fenced in code_quotes(document.read_text(encoding="utf-8")):
         found = command_problems(code) + path_problems(code, document) + name_problems(code)
+        found += parse_problems(code) if fenced else []  # inline spans name commands in part
         for make in re.finditer(r"^\s*make ([a-z][\w-]*)", code):
             if make.group(1) not in targets:
                 found.append(f"no Makefile target {make.group(1)}")
@@ -225,5 +278,20 @@ def test_the_checks_catch_each_kind_of_drift():
     assert path_problems("tests/test_layers.py::test_upward_import", readme) == [
         "tests/test_layers.py defines no test_upward_import"]
     assert path_problems("experiments/no_such_script.py", readme) == ["no file or folder experiments/no_such_script.py"]
+    fence = "```\nheadlab analyze MODEL --source s \\\n    --no-such-flag 1 --out d\n```\n"
+    [(line, code, fenced)] = code_quotes(fence)  # the continued lines read as one command
+    assert (line, fenced) == (2, True) and command_problems(code) == ["headlab analyze: no option --no-such-flag"]
+    assert parse_problems("headlab nmt evaluate models/m --src s.en --ref r.de --beam four") == [
+        "headlab nmt evaluate: error: argument --beam: invalid int value: 'four'"]
+    assert parse_problems("headlab prune apply models/m --out d") == [
+        "headlab prune apply: error: the following arguments are required: --heads"]
+    assert parse_problems("python -m reproduction --models") == [
+        "python -m reproduction: error: argument --models: expected one argument"]
+    for fine in ("headlab nmt evaluate --model models/m --src s.en --ref r.de --beam 4", "headlab prune MODEL --out d",
+                 "headlab heads --help", "headlab nmt train: interrupted; the last checkpoint in run is kept"):
+        assert parse_problems(fine) == [], fine
     assert name_problems("headlab.attention.NAME and headlab.importance.run_importance") == []
     assert name_problems("headlab.attention.no_such_name") == ["headlab.attention.no_such_name does not resolve"]
+    assert name_problems("from headlab.report import build_report, load_example  # the API") == []
+    assert name_problems("from headlab.report import build_report, no_such_name") == [
+        "headlab.report.no_such_name does not resolve"]
