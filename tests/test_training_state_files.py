@@ -240,3 +240,16 @@ def test_an_optimizer_whose_groups_last_cannot_hold_is_refused_before_any_work(t
         train(tiny_model(tokenizer), tokenizer, corpus, None, config(tmp_path / "run", max_steps=2),
               optimizer_factory=factory)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_run_resumed_says_there_is_nothing_to_train(tmp_path, corpus, tokenizer):
+    """Regression: ``--resume`` on a run that had done its epochs printed "resuming from ...: epoch 2" and then
+    nothing, as if it went on; now one line says it had finished and how to go on."""
+    run = tmp_path / "done"
+    train(tiny_model(tokenizer), tokenizer, corpus, None, config(run, max_epochs=1))
+    lines = []
+    result = train(tiny_model(tokenizer, seed=123), tokenizer, corpus, None, config(run, max_epochs=1, resume=True),
+                   log=lines.append)
+    said = [line for line in lines if line.startswith("nothing to train")]
+    assert len(said) == 1 and "its 1 epoch (step 9" in said[0] and "max_epochs 1" in said[0], lines
+    assert result.step == 9

@@ -622,6 +622,9 @@ class _Run:
     def epochs(self, train_data: EncodedCorpus, valid_data) -> TrainResult:
         config, state = self.config, self.state
         stopped = "converged" if self._patience_spent() else "finished"
+        if stopped == "finished" and state["epoch"] >= config.max_epochs:  # a finished run resumed: say so
+            self.log(f"nothing to train: the run had done its {counted(state['epoch'], 'epoch')} (step {state['step']}; "
+                     f"max_epochs {config.max_epochs}); give more epochs (--epochs) to go on")
         while state["epoch"] < config.max_epochs and stopped == "finished":
             epoch = state["epoch"]
             stopped, progress, n_batches = self._train_epoch(train_data)
