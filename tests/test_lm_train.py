@@ -57,6 +57,19 @@ def test_long_sentences_are_cut_keeping_eos_and_counted(tokenizer):
     assert corpus.n_truncated == 1
 
 
+def test_the_cut_is_said_by_headlab_alone(tokenizer):
+    """transformers' "Token indices sequence length is longer than the specified maximum" warning is not let through
+    beside headlab's own count of the sentences cut (found by running lm.md's commands, session 43)."""
+    import copy
+
+    short = copy.deepcopy(tokenizer)
+    short.model_max_length = 8
+    short.deprecation_warnings.clear()
+    corpus = encode_lm_corpus(short, ["word " * 100], max_positions=16)
+    assert corpus.n_truncated == 1
+    assert "sequence-length-is-longer-than-the-specified-maximum" not in short.deprecation_warnings
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_training_lowers_validation_perplexity(tmp_path, arch):
     result = run_lm_recipe(tiny_recipe(tmp_path / "run", arch=arch, max_epochs=2))

@@ -73,7 +73,8 @@ def read_text_corpus(paths: Sequence[str | Path]) -> TextCorpus:
 def encode_lm_corpus(tokenizer, sentences: Sequence[str], max_positions: int) -> EncodedCorpus:
     """Token ids ``<s> ... </s>`` per sentence; longer ones are cut to ``max_positions + 1``
     tokens (the model sees all but the last), keeping ``</s>``, and counted."""
-    ids = tokenizer(list(sentences), add_special_tokens=True)["input_ids"]
+    # verbose=False: not transformers' "longer than the specified maximum" warning; the cut is counted and said here
+    ids = tokenizer(list(sentences), add_special_tokens=True, verbose=False)["input_ids"]
     eos, limit, n_truncated = tokenizer.eos_token_id, max_positions + 1, 0
     for i, seq in enumerate(ids):
         if len(seq) > limit:
