@@ -317,6 +317,28 @@ def test_decoder_self_attention_pruned_twice_equals_masked():
     torch.testing.assert_close(pruned_scores, scores, atol=1e-12, rtol=0)
 
 
+def test_reconstructed_numbering_of_a_pruned_decoder_self_attention_is_refused(tmp_path):
+    """Re-saved without record or plan (load_pruned, then save_pretrained), a pruned decoder self-attention's kept
+    heads would be numbered 0, 1 from the weights' shapes, and would take another head's relative-position scores
+    (its kept heads' numbers pick them from the config's): the load is refused, naming the layer and what to put
+    back; through the record it loads."""
+    from headlab import load_pruned, prune_heads, save_pruned
+    from headlab.loading import load_model
+    from headlab.portable import PRUNING_FILE
+
+    model = tiny_prophetnet()
+    prune_heads(model, {("dec_self", 1): [0, 2]})
+    save_pruned(model, tmp_path / "pruned")
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "resaved")
+    with pytest.raises(HeadlabError, match="numbering of the kept heads of dec_self:1 is in neither the weights nor the "
+                                           f"config.*relative-position scores.*{PRUNING_FILE}"):
+        load_model(str(tmp_path / "resaved"))
+    (tmp_path / "resaved" / PRUNING_FILE).write_bytes((tmp_path / "pruned" / PRUNING_FILE).read_bytes())
+    batch = inputs()
+    torch.testing.assert_close(logits(load_model(str(tmp_path / "resaved"), dtype=torch.float64), batch),
+                               logits(model, batch), atol=1e-12, rtol=0)
+
+
 def test_causal_lm_pruned_equals_masked():
     """ProphetNetForCausalLM (the decoder alone): its self-attention pruned, the first layer emptied, gives the masked
     model's logits of a batch of one length and its cached greedy continuation (1e-12)."""

@@ -2150,9 +2150,11 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
     """A reconstructed numbering only names heads, unless a head's original index enters what it
     computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
     built by the model for all the config's heads), T5's relative position bias (the stack's
-    one table, a column per original head) and, where a norm spans the whole query or key projection
-    (OLMo 2), the rows of that projection, kept whole, that the head reads. There the numbering picks
-    them: a wrong one would compute another model than the one saved, so it is refused."""
+    one table, a column per original head), where a norm spans the whole query or key projection
+    (OLMo 2), the rows of that projection, kept whole, that the head reads, and ProphetNet's decoder
+    self-attention's relative-position scores (computed for the config's heads, the kept heads' taken:
+    ``Family.score_heads``). There the numbering picks them: a wrong one would compute another model than
+    the one saved, so it is refused."""
     keys = set(reconstructed)
     biased: dict[str, str] = {}
     for block in attention_blocks(model):
@@ -2166,6 +2168,9 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
             # a query/key projection kept whole under a norm over all its heads (OLMo 2): the index picks its rows
             biased[f"{block.kind}:{block.layer}"] = ("its rows of the query and key projections, which stay whole "
                                                      "under a norm over all heads")
+        elif getattr(block.core, SCORE_HEADS_ATTR, None) is not None:  # ProphetNet's decoder self-attention
+            biased[f"{block.kind}:{block.layer}"] = ("its relative-position scores, computed for every head of the "
+                                                     "config from relative_pos_embeddings, kept whole")
     if biased:
         raise HeadlabError(
             f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "
