@@ -296,6 +296,24 @@ def test_pruned_layer_reads_every_heads_relative_position_rows():
     assert (logits(model, batch) - expected).abs().max() > 1e-6
 
 
+def test_capture_of_a_pruned_decoder_self_attention_is_its_kept_heads_maps():
+    """Capture on the padded batch after pruning the decoder's second self-attention layer: its maps are the whole
+    model's maps of the heads it kept (main stream; the softmax is float32 in transformers' and the pruned forward:
+    1e-6), numbered as in the original model."""
+    from headlab import prune_heads
+    from headlab.surgery import original_heads
+
+    model, batch = tiny_prophetnet(), inputs()
+    with torch.no_grad(), capture_attention(model) as whole:
+        model(**batch)
+    prune_heads(model, {("dec_self", 1): [0, 2]})
+    with torch.no_grad(), capture_attention(model) as pruned:
+        model(**batch)
+    block = next(b for b in attention_blocks(model) if b.key == ("dec_self", 1))
+    assert original_heads(block) == ([1, 3], 4)
+    torch.testing.assert_close(pruned[("dec_self", 1)], whole[("dec_self", 1)][:, [1, 3]], atol=1e-6, rtol=0)
+
+
 def test_decoder_self_attention_pruned_twice_equals_masked():
     """Pruned again (current numbering: the kept heads renumbered from 0), the layer's kept heads in the config's
     numbering follow: the logits and cached generation equal the model with both removals masked (1e-12)."""

@@ -219,8 +219,9 @@ class Family:
     heads x d rows (the family's ``pruned_forward``), and blocks count the heads from the output projection's input."""
     kept_whole: tuple[str, ...] = ()
     """Children of ``core`` that pruning leaves whole (ConvBERT's convolution heads: ``key_conv_attn_layer``,
-    ``conv_kernel_layer``, ``conv_out_layer``, of the original head count's widths), whose parameters' head-sized
-    widths are not heads physical pruning must slice."""
+    ``conv_kernel_layer``, ``conv_out_layer``, of the original head count's widths; ProphetNet's decoder
+    self-attention's ``relative_pos_embeddings``, a row per (bucket, head of the config): ``score_heads``), whose
+    parameters' head-sized widths are not heads physical pruning must slice."""
     score_heads: bool = False
     """The layer's forward computes a part of its scores for every head of the config at once, in an order that
     follows the head count (ProphetNet's decoder self-attention: ``get_predict_relative_pos_embeddings`` gathers a
