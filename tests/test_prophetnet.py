@@ -12,13 +12,15 @@ transformers' ProphetNet gives NaN in float64 on an integer padding mask (``1.0 
 ``finfo(float64).min``, which overflows to -inf: 0 x -inf at every unmasked key): headlab's blocks hand a float64
 ProphetNet its masks as float64 (headlab.adapters.prophetnet). Its predicting streams' relative-position scores are not
 their own (position, stream, head)'s (get_predict_relative_pos_embeddings' order follows the length and the head
-count): a padded target batch is refused before the decoder runs, and so is pruning the decoder self-attention.
+count): a padded target batch is refused before the decoder runs, and a pruned decoder self-attention computes them
+for the config's heads and takes its kept heads' (PRUNED_FORWARDS["prophetnet"], session 43; refused before).
 
 On a tiny ProphetNet in float64 with a padded source batch (pad id 0, as the released checkpoints': transformers'
 cached generation checks positions that hold only then): capture equals the module's probabilities bit for bit,
 masking equals zeroing the head's values by hand in every stream, gates at one change nothing (a Hard Concrete gate
-drawn once per call for every stream), pruning encoder and cross-attention heads (a layer emptied too) equals masking
-(padded batch, cached generation) and reloads (load_pruned, plain transformers), LRP conserves to 1e-10 (pruned too),
+drawn once per call for every stream), pruning heads of the three kinds (a layer of each emptied too, pruned twice, the
+decoder alone too) equals masking (padded batch, cached generation) and reloads (load_pruned, plain transformers), gates
+at one change nothing and LRP conserves to 1e-10 (pruned too),
 ``headlab analyze --ablation --batch-size 1`` runs every stage (the encoder-decoder and ProphetNetForCausalLM). Every
 test here fails on main, where attention_blocks refused the model (UNSUPPORTED["prophetnet"]).
 """
@@ -216,17 +218,20 @@ def test_hard_concrete_gates_draw_once_per_call_for_every_stream():
 
 
 SPECS = {
-    "partial": {("enc_self", 0): [1], ("enc_self", 1): [0, 2], ("dec_cross", 1): [0, 1, 2]},
-    "no head left": {("enc_self", 0): [0, 1, 2, 3], ("dec_cross", 0): [0, 1, 2, 3], ("dec_cross", 1): [2]},
+    "partial": {("enc_self", 0): [1], ("enc_self", 1): [0, 2], ("dec_self", 0): [1], ("dec_self", 1): [0, 3],
+                ("dec_cross", 1): [0, 1, 2]},
+    "no head left": {("enc_self", 0): [0, 1, 2, 3], ("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2],
+                     ("dec_cross", 0): [0, 1, 2, 3], ("dec_cross", 1): [2]},
 }
-"""Pruning plans of the encoder and cross attention ({(kind, layer): heads removed}); the decoder self-attention's
-pruning is refused (test_decoder_self_attention_pruning_and_lrp_refused_before_any_work)."""
+"""Pruning plans of the three kinds ({(kind, layer): heads removed}): "no head left" empties a layer of each, the
+decoder's first self-attention layer among them (the decoder reads the next position from its cache's length)."""
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_pruned_equals_masked(spec_name):
-    """Encoder self-attention and cross-attention heads pruned (a layer of each emptied in "no head left"): the
-    logits of the padded batch and cached greedy generation equal the masked model's (1e-12)."""
+    """Heads of the three kinds pruned (a layer of each emptied in "no head left"): the logits of the padded batch (two
+    teacher-forced targets of one length) and cached greedy generation equal the masked model's (1e-12). Before
+    session 43 the decoder self-attention's pruning was refused."""
     from support.seq2seq_families import check_pruned_equals_masked
 
     check_pruned_equals_masked(tiny_prophetnet(), SPECS[spec_name], inputs())
@@ -235,21 +240,24 @@ def test_pruned_equals_masked(spec_name):
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_pruned_reloads(spec_name, tmp_path):
     """The pruned directory loads with load_pruned and with plain transformers (trust_remote_code: its pruned layers
-    take PRUNED_FORWARDS["prophetnet-attention"]) and gives the masked model's logits and cached greedy tokens. (Float
+    take PRUNED_FORWARDS["prophetnet-attention"] and ["prophetnet"], the latter told its kept heads by the plan's
+    score_heads) and gives the masked model's logits and cached greedy tokens. (Float
     masks: plain transformers' ProphetNet gives NaN in float64 on integer ones.)"""
     from support.seq2seq_families import check_pruned_reloads
 
     batch = inputs()
     batch["attention_mask"] = batch["attention_mask"].double()
-    check_pruned_reloads(tiny_prophetnet(), SPECS[spec_name], batch, tmp_path / "pruned", {"prophetnet-attention"})
+    check_pruned_reloads(tiny_prophetnet(), SPECS[spec_name], batch, tmp_path / "pruned",
+                         {"prophetnet-attention", "prophetnet"})
 
 
 def test_predicting_streams_scores_are_not_their_own():
-    """Why the decoder self-attention's pruning and padded targets are refused, read in transformers 5.24
+    """Why padded targets are refused and a pruned decoder self-attention computes these scores for the config's heads,
+    read in transformers 5.24
     (get_predict_relative_pos_embeddings): the relative-position scores it adds for head h of predicting stream n at
     position t are not the projection of that stream's hidden state at t with head h's rows (gathered with t's
     buckets), but another (position, stream, head)'s, in an order that follows the head count and the length. Should
-    transformers fix it, this fails: both refusals can then be revisited."""
+    transformers fix it, this fails: the refusal and the pruned forward's detour can then be revisited."""
     attention = tiny_prophetnet().prophetnet.decoder.layers[0].self_attn
     batch, length, ngram, buckets, heads = 2, 5, 2, 8, 4
     g = torch.Generator().manual_seed(0)
@@ -264,17 +272,130 @@ def test_predicting_streams_scores_are_not_their_own():
     assert theirs.shape == own.shape and not torch.allclose(theirs, own)
 
 
-def test_decoder_self_attention_pruning_refused_before_any_work():
-    """Pruning a decoder self-attention head (a whole layer too) is refused, naming why, and nothing changes."""
+def test_pruned_layer_reads_every_heads_relative_position_rows():
+    """The decoder self-attention pruned: relative_pos_embeddings stays whole and the layer knows its kept heads in the
+    config's numbering (SCORE_HEADS_ATTR), its logits the masked model's (1e-12); the removed heads' rows of
+    relative_pos_embeddings are read (set to zero, the logits move): the predicting streams' scores of a kept head are
+    gathered from other heads' rows too, so a projection narrowed to the kept heads' rows could not be exact."""
     from headlab import prune_heads
+    from headlab.portable_code import SCORE_HEADS_ATTR
+
+    spec, batch = {("dec_self", 0): [0, 2]}, inputs()
+    model = tiny_prophetnet()
+    with mask_heads(model, spec):
+        expected = logits(model, batch)
+    prune_heads(model, spec)
+    attention = model.prophetnet.decoder.layers[0].self_attn
+    assert attention.relative_pos_embeddings.out_features == 8 * 4 and attention.num_attn_heads == 2
+    assert getattr(attention, SCORE_HEADS_ATTR) == [1, 3]
+    torch.testing.assert_close(logits(model, batch), expected, atol=1e-12, rtol=0)
+    removed_rows = torch.tensor([bucket * 4 + h for bucket in range(8) for h in (0, 2)])  # [bucket, head] row-major
+    with torch.no_grad():
+        attention.relative_pos_embeddings.weight[removed_rows] = 0
+        attention.relative_pos_embeddings.bias[removed_rows] = 0
+    assert (logits(model, batch) - expected).abs().max() > 1e-6
+
+
+def test_capture_of_a_pruned_decoder_self_attention_is_its_kept_heads_maps():
+    """Capture on the padded batch after pruning the decoder's second self-attention layer: its maps are the whole
+    model's maps of the heads it kept (main stream; the softmax is float32 in transformers' and the pruned forward:
+    1e-6), numbered as in the original model."""
+    from headlab import prune_heads
+    from headlab.surgery import original_heads
 
     model, batch = tiny_prophetnet(), inputs()
-    before = logits(model, batch)
-    for spec in ({("dec_self", 0): [1]}, {("dec_self", 1): [0, 1, 2, 3], ("enc_self", 0): [1]}):
-        with pytest.raises(HeadlabError, match="get_predict_relative_pos_embeddings"):
-            prune_heads(model, spec)
-    assert torch.equal(logits(model, batch), before)
-    assert all(b.n_heads == 4 for b in attention_blocks(model))
+    with torch.no_grad(), capture_attention(model) as whole:
+        model(**batch)
+    prune_heads(model, {("dec_self", 1): [0, 2]})
+    with torch.no_grad(), capture_attention(model) as pruned:
+        model(**batch)
+    block = next(b for b in attention_blocks(model) if b.key == ("dec_self", 1))
+    assert original_heads(block) == ([1, 3], 4)
+    torch.testing.assert_close(pruned[("dec_self", 1)], whole[("dec_self", 1)][:, [1, 3]], atol=1e-6, rtol=0)
+
+
+def test_decoder_self_attention_pruned_twice_equals_masked():
+    """Pruned again (current numbering: the kept heads renumbered from 0), the layer's kept heads in the config's
+    numbering follow: the logits and cached generation equal the model with both removals masked (1e-12)."""
+    from headlab import prune_heads
+    from headlab.portable_code import SCORE_HEADS_ATTR
+    from support.seq2seq_families import cached_generation
+
+    batch, reference = inputs(), tiny_prophetnet()
+    with mask_heads(reference, {("dec_self", 0): [0, 2], ("dec_self", 1): [1]}):
+        expected = logits(reference, batch)
+        tokens, scores = cached_generation(reference, batch)
+    model = tiny_prophetnet()
+    prune_heads(model, {("dec_self", 0): [0]})
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [1]})
+    assert getattr(model.prophetnet.decoder.layers[0].self_attn, SCORE_HEADS_ATTR) == [1, 3]
+    torch.testing.assert_close(logits(model, batch), expected, atol=1e-12, rtol=0)
+    pruned_tokens, pruned_scores = cached_generation(model, batch)
+    assert torch.equal(pruned_tokens, tokens)
+    torch.testing.assert_close(pruned_scores, scores, atol=1e-12, rtol=0)
+
+
+def test_reconstructed_numbering_of_a_pruned_decoder_self_attention_is_refused(tmp_path):
+    """Re-saved without record or plan (load_pruned, then save_pretrained), a pruned decoder self-attention's kept
+    heads would be numbered 0, 1 from the weights' shapes, and would take another head's relative-position scores
+    (its kept heads' numbers pick them from the config's): the load is refused, naming the layer and what to put
+    back; through the record it loads."""
+    from headlab import load_pruned, prune_heads, save_pruned
+    from headlab.loading import load_model
+    from headlab.portable import PRUNING_FILE
+
+    model = tiny_prophetnet()
+    prune_heads(model, {("dec_self", 1): [0, 2]})
+    save_pruned(model, tmp_path / "pruned")
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "resaved")
+    with pytest.raises(HeadlabError, match="numbering of the kept heads of dec_self:1 is in neither the weights nor the "
+                                           f"config.*relative-position scores.*{PRUNING_FILE}"):
+        load_model(str(tmp_path / "resaved"))
+    (tmp_path / "resaved" / PRUNING_FILE).write_bytes((tmp_path / "pruned" / PRUNING_FILE).read_bytes())
+    batch = inputs()
+    torch.testing.assert_close(logits(load_model(str(tmp_path / "resaved"), dtype=torch.float64), batch),
+                               logits(model, batch), atol=1e-12, rtol=0)
+
+
+def test_causal_lm_pruned_equals_masked():
+    """ProphetNetForCausalLM (the decoder alone): its self-attention pruned, the first layer emptied, gives the masked
+    model's logits of a batch of one length and its cached greedy continuation (1e-12)."""
+    from headlab import prune_heads
+
+    torch.manual_seed(0)
+    model = tf.ProphetNetForCausalLM(_config()).double().eval()
+    spec = {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1, 2]}
+    ids = torch.randint(3, 99, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=True,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=PAD)
+            return model(input_ids=ids).logits, out.sequences, torch.stack(out.scores)
+
+    with mask_heads(model, spec):
+        expected, tokens, scores = run()
+    prune_heads(model, spec)
+    assert [b.n_heads for b in attention_blocks(model) if b.kind == "dec_self"] == [0, 2]
+    pruned, pruned_tokens, pruned_scores = run()
+    torch.testing.assert_close(pruned, expected, atol=1e-12, rtol=0)
+    assert torch.equal(pruned_tokens, tokens)
+    torch.testing.assert_close(pruned_scores, scores, atol=1e-12, rtol=0)
+
+
+def test_gates_at_one_change_nothing_after_pruning():
+    """Heads of the three kinds pruned: gates at one on the heads left change nothing (the decoder's first
+    self-attention emptied too), and a Hard Concrete gate of a pruned decoder self-attention head is drawn once per
+    call for every stream (every layer keeping heads: one with none draws no gate)."""
+    from headlab import prune_heads
+    from support.family_matrix import check_gates_at_one_change_nothing, check_gates_draw_once_per_call
+
+    for spec_name in SPECS:
+        model = tiny_prophetnet(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        prune_heads(model, SPECS[spec_name])
+        check_gates_at_one_change_nothing(model, inputs())
+        if spec_name == "partial":
+            check_gates_draw_once_per_call(model, inputs())
 
 
 def _lrp_conservation(model) -> dict:

@@ -139,6 +139,12 @@ concatenates the two before its output projection): a layer of theirs with no he
 the second stream too."""
 
 
+STACKED_STREAMS = {"transformers.models.prophetnet.modeling_prophetnet.ProphetNetNgramSelfAttention": "ngram"}
+"""Attention classes whose hidden states stack further streams after the tokens' along the sequence, as many rows
+each, and which cache the tokens' keys and values only (ProphetNet's decoder self-attention: ``[main | ngram
+predicting streams]``, the attribute naming how many follow): a layer of theirs with no head left keeps the cache in
+step with the tokens' length, which the decoder reads the next position from."""
+
 def _fsmt_forward(self, query, key, key_padding_mask=None, layer_state=None, attn_mask=None, output_attentions=False,
                   **kwargs):
     """FSMT's ``Attention.forward`` (transformers 5.24, modeling_fsmt; time-first [T, B, C]) line for line, but that it
@@ -412,6 +418,109 @@ def _prophetnet_attention_forward(self, hidden_states, key_value_states=None, at
     return attn_output, attn_weights_reshaped
 
 
+SCORE_HEADS_ATTR = "_headlab_score_heads"
+"""On a pruned layer whose forward computes scores for every head of the config and keeps its own heads' (ProphetNet's
+decoder self-attention, :func:`_prophetnet_ngram_forward`): the heads it kept, in the config's numbering. Set by
+headlab's pruning and by the plan's ``score_heads``; not :data:`KEPT_ATTR`, which tells headlab that a layer's
+numbering is known (:data:`BIAS_KEPT_ATTR`'s reason)."""
+
+
+class _ConfigHeads:
+    """A view of a pruned ProphetNet n-gram self-attention that answers ``num_attn_heads`` with the config's head count
+    and everything else (``relative_pos_embeddings``, ``num_buckets``, ``ngram``...) with the module's own."""
+
+    def __init__(self, module: nn.Module, heads: int) -> None:
+        self._module, self.num_attn_heads = module, heads
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _config_heads(mask, dim: int, kept: torch.Tensor):
+    """A mask built for the config's heads (the decoder expands one over them on ``dim``), the kept heads' rows."""
+    return mask if mask is None or mask.shape[dim] == 1 else mask.index_select(dim, kept.to(mask.device))
+
+
+def _prophetnet_ngram_forward(self, hidden_states, cache=None, attention_mask=None,
+                              extended_predict_attention_mask=None, main_relative_position_buckets=None,
+                              predict_relative_position_buckets=None, position_ids=None, **kwargs):
+    """ProphetNet's ``ProphetNetNgramSelfAttention.forward`` (transformers 5.24, modeling_prophetnet) line for line
+    (its checks of shapes left out), but for what depends on the config's head count. Its relative-position scores
+    (``get_main_relative_pos_embeddings``, ``get_predict_relative_pos_embeddings``) are computed by transformers' own
+    methods for the config's heads, from ``relative_pos_embeddings`` kept whole, then the kept heads' taken
+    (:data:`SCORE_HEADS_ATTR`): the predicting streams' gather a head's scores from rows ordered [batch, position, stream,
+    head] by an index ordered [stream, batch, head, position], so head h's depend on the head count and on the other
+    heads' rows. The masks the decoder builds for the config's heads give the kept heads' rows; the heads merge to
+    ``num_attn_heads * head_dim``. A layer with no head left is a :class:`NoHeadAttention`."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    modeling = importlib.import_module(type(self).__module__)  # its softmax: float32, as the original's
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    batch_size, ngram_sequence_length, hidden_size = hidden_states.size()
+    heads, d, ngram = self.num_attn_heads, self.head_dim, self.ngram
+    config_heads = self.relative_pos_embeddings.out_features // self.num_buckets
+    kept = torch.tensor(getattr(self, SCORE_HEADS_ATTR), dtype=torch.long, device=hidden_states.device)
+    whole = _ConfigHeads(self, config_heads)
+
+    def shaped(states):
+        return states.view(batch_size, -1, heads, d).transpose(1, 2).contiguous()
+
+    query_states = shaped(self.query_proj(hidden_states) / (d**0.5))
+    key_states, value_states = shaped(self.key_proj(hidden_states)), shaped(self.value_proj(hidden_states))
+    hidden_states_list = hidden_states.chunk(1 + ngram, dim=1)
+    query_states_list = query_states.chunk(1 + ngram, dim=2)
+    key_states_list = key_states.chunk(1 + ngram, dim=2)
+    value_states_list = value_states.chunk(1 + ngram, dim=2)
+    main_hidden_states, hidden_states_predict_list = hidden_states_list[0], hidden_states_list[1:]
+    main_query_states, predict_query_states_list = query_states_list[0], query_states_list[1:]
+    main_key_states, predict_key_states_list = key_states_list[0], key_states_list[1:]
+    main_value_states, predict_value_states_list = value_states_list[0], value_states_list[1:]
+    if cache is not None:
+        curr_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        main_key_states, main_value_states = curr_cache.update(main_key_states, main_value_states, self.layer_idx)
+    sequence_length = ngram_sequence_length // (1 + ngram)
+    width = heads * d
+
+    main_attn_weights = torch.einsum("bntc,bncs->bnts", main_query_states, main_key_states.transpose(2, 3))
+    every_head = main_attn_weights.new_empty(()).expand(batch_size, config_heads, *main_attn_weights.shape[2:])
+    main_relative_pos_embeddings = type(self).get_main_relative_pos_embeddings(
+        whole, main_hidden_states, every_head, position_ids, main_relative_position_buckets).index_select(1, kept)
+    main_attn_weights = main_attn_weights + main_relative_pos_embeddings
+    if attention_mask is not None:
+        main_attn_weights = main_attn_weights + _config_heads(attention_mask, 1, kept)
+    main_attn_probs = modeling.softmax(main_attn_weights, dim=-1, onnx_trace=self.onnx_trace).type_as(main_attn_weights)
+    main_attn_probs = nn.functional.dropout(main_attn_probs, p=self.attention_dropout, training=self.training)
+    main_attn_output = torch.einsum("bntc,bncs->bnts", main_attn_probs, main_value_states)
+    main_attn_output = self.out_proj(main_attn_output.transpose(1, 2).reshape(batch_size, 1, sequence_length, width))
+
+    predict_query_states = torch.stack(predict_query_states_list, 1).view(batch_size, ngram, heads, sequence_length, d)
+    predict_key_states = torch.stack([torch.cat([main_key_states, key], 2) for key in predict_key_states_list], 1)
+    predict_hidden_states = torch.stack(hidden_states_predict_list, dim=2)
+    predict_value_states = torch.cat(
+        [torch.cat([main_value_states, v_p], 2).unsqueeze(2) for v_p in predict_value_states_list], 2)
+    predict_attn_weights = torch.einsum("bnhtc,bnhsc->bnhts", (predict_query_states, predict_key_states))
+    every_head = predict_attn_weights.new_empty(()).expand(batch_size, ngram, config_heads,
+                                                           *predict_attn_weights.shape[3:])
+    predict_relative_pos_embeddings = type(self).get_predict_relative_pos_embeddings(
+        whole, predict_hidden_states, every_head, position_ids, predict_relative_position_buckets).index_select(2, kept)
+    predict_attn_weights = predict_attn_weights + predict_relative_pos_embeddings
+    if extended_predict_attention_mask is not None:
+        extended_predict_attention_mask = extended_predict_attention_mask.permute(0, 2, 1, 3, 4)
+        extended_predict_attention_mask = _config_heads(extended_predict_attention_mask, 2, kept)
+        predict_attn_weights = predict_attn_weights + extended_predict_attention_mask.to(predict_attn_weights.dtype)
+    predict_attn_probs = modeling.softmax(predict_attn_weights, dim=-1, onnx_trace=self.onnx_trace).type_as(
+        predict_attn_weights)
+    predict_attn_probs = nn.functional.dropout(predict_attn_probs, p=self.attention_dropout, training=self.training)
+    predict_attn_output = torch.einsum("bnhts,bnhsc->bnhtc", (predict_attn_probs, predict_value_states.transpose(1, 2)))
+    predict_attn_output = predict_attn_output.transpose(2, 3).reshape(batch_size, ngram, sequence_length, width)
+    predict_attn_output = self.out_proj(predict_attn_output)
+
+    attn_output = torch.cat([main_attn_output, predict_attn_output], 1).view(batch_size, -1, hidden_size)
+    main_attn_probs = main_attn_probs.view(batch_size, heads, sequence_length, -1)
+    attn_output = nn.functional.dropout(attn_output, p=self.dropout, training=self.training)
+    return attn_output, main_attn_probs, predict_attn_probs
+
+
 def _convbert_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
     """ConvBERT's ``ConvBertSelfAttention.forward`` (transformers 5.24, modeling_convbert) line for line, but that its
     query is kept whole, the kept heads' rows first (every row feeds the convolution heads' kernels: headlab's pruning
@@ -455,11 +564,12 @@ def _convbert_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
                    "longformer": _longformer_forward, "mvp": _mvp_forward,
                    "pegasus-x": _pegasus_x_forward, "prophetnet-attention": _prophetnet_attention_forward,
-                   "convbert": _convbert_forward}
+                   "convbert": _convbert_forward, "prophetnet": _prophetnet_ngram_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
 TrOCR's, LED's decoder's, Longformer's, MVP's, PEGASUS-X's encoder's and ProphetNet's merge the heads into the hidden
 states' width; ProphetNet's encoder and cross attention also check masks built for the config's heads; ConvBERT's
-keeps its query whole and its convolution heads): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+keeps its query whole and its convolution heads; ProphetNet's decoder self-attention computes its relative-position
+scores for the config's heads): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 
@@ -511,6 +621,9 @@ class NoHeadAttention(nn.Module):
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
         self.merged_cache = qualified in MERGED_CACHES or getattr(original, "merged_cache", False) is True
+        streams = STACKED_STREAMS.get(qualified)
+        self.stacked_streams = 1 + int(getattr(original, streams)) if streams else \
+            getattr(original, "stacked_streams", 1)
         self.output_bias = output_bias_name(original)
         if self.output_bias:  # GPT-NeoX-Japanese's dense_bias: a parameter of the attention itself, or None
             bias = getattr(original, self.output_bias)
@@ -645,7 +758,7 @@ class NoHeadAttention(nn.Module):
                 return
             target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
         batch, time = (1, 0) if self.time_first else (0, 1)
-        length = (memory if is_cross else hidden_states).shape[time]
+        length = memory.shape[time] if is_cross else hidden_states.shape[time] // getattr(self, "stacked_streams", 1)
         placeholder = hidden_states.new_zeros(hidden_states.shape[batch], 1, length, 1)
         target.update(placeholder, placeholder, layer_idx)
         if is_cross and hasattr(cache, "is_updated"):
@@ -946,6 +1059,8 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
         for path, name in plan.get("classes", {}).items():  # a forward that runs with fewer heads (FSMT's)
             module = model.get_submodule(path)
             module.__class__ = pruned_class(type(module), name)
+        for path, kept in plan.get("score_heads", {}).items():  # ProphetNet's: scores for every head, its kept
+            setattr(model.get_submodule(path), SCORE_HEADS_ATTR, list(kept))
         for path, length in plan.get("vectors", {}).items():  # per kept head: query scales, attention sinks
             owner_path, _, name = path.rpartition(".")
             owner = model.get_submodule(owner_path)

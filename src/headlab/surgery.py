@@ -67,6 +67,7 @@ from headlab.portable import PLAN_KEY, PRUNING_FILE, check_pruned_numbering, mak
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
+    SCORE_HEADS_ATTR,
     SELECTED_ATTR,
     VALUE_EMBEDS_ATTR,
     LayerConfig,
@@ -838,9 +839,14 @@ def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list
 def _give_pruned_forward(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
     """A layer whose own forward cannot run with fewer heads (FSMT's and TrOCR's merge them into the hidden states'
     width) takes the family's (``Family.pruned_forward``): the same computation, merging the kept heads; ConvBERT's
-    (``Family.query_channels``) with no head left too, its convolution heads still run."""
+    (``Family.query_channels``) with no head left too, its convolution heads still run. One that computes scores for
+    every head of the config (``Family.score_heads``: ProphetNet's) is told its kept heads in the config's numbering
+    (:data:`~headlab.portable_code.SCORE_HEADS_ATTR`)."""
     if block.family.pruned_forward and (keep or block.family.query_channels):
         journal.set(block.core, "__class__", pruned_class(type(block.core), block.family.pruned_forward))
+    if block.family.score_heads and keep:  # ProphetNet's: scores computed for the config's heads, its own kept
+        kept, _, _ = _original(block)
+        journal.set(block.core, SCORE_HEADS_ATTR, [kept[h] for h in keep])
 
 
 def _reorder_query(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
@@ -1928,7 +1934,9 @@ def pruning_plan(model: nn.Module) -> dict:
     heads, the path of its stack's first layer, whose table gives the bias, ``Family.shared_bias``]) for the layers of
     a pruned T5 stack (:func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``); ``value_embeds`` (layer path ->
     [the key/value heads whose columns of the model's value embeddings it reads, original numbering; their original
-    count]) for a pruned NeoMME layer that adds them (:class:`headlab.portable_code.ValueEmbedsHook`); ``kept``
+    count]) for a pruned NeoMME layer that adds them (:class:`headlab.portable_code.ValueEmbedsHook`); ``score_heads``
+    (layer path -> its kept heads, original numbering) for a layer whose pruned forward computes scores for every head
+    of the config (``Family.score_heads``: ProphetNet's decoder self-attention); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
@@ -1988,6 +1996,8 @@ def pruning_plan(model: nn.Module) -> dict:
             pruned_forward = getattr(type(core), "_headlab_pruned_forward", None)
             if pruned_forward:  # the forward pruned_heads.py gives the layer (Family.pruned_forward)
                 plan.setdefault("classes", {})[_core_path(block)] = pruned_forward
+            if getattr(core, SCORE_HEADS_ATTR, None) is not None:  # its kept heads' scores, of the config's (ProphetNet)
+                plan.setdefault("score_heads", {})[_core_path(block)] = list(getattr(core, SCORE_HEADS_ATTR))
             if getattr(core, "_headlab_t5_hooked", False):  # T5's stack bias: [kept, the table's layer, kind]
                 source, kind = getattr(core, T5_SOURCE_ATTR)
                 plan.setdefault("shared_bias", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), source, kind]
@@ -2140,9 +2150,11 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
     """A reconstructed numbering only names heads, unless a head's original index enters what it
     computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
     built by the model for all the config's heads), T5's relative position bias (the stack's
-    one table, a column per original head) and, where a norm spans the whole query or key projection
-    (OLMo 2), the rows of that projection, kept whole, that the head reads. There the numbering picks
-    them: a wrong one would compute another model than the one saved, so it is refused."""
+    one table, a column per original head), where a norm spans the whole query or key projection
+    (OLMo 2), the rows of that projection, kept whole, that the head reads, and ProphetNet's decoder
+    self-attention's relative-position scores (computed for the config's heads, the kept heads' taken:
+    ``Family.score_heads``). There the numbering picks them: a wrong one would compute another model than
+    the one saved, so it is refused."""
     keys = set(reconstructed)
     biased: dict[str, str] = {}
     for block in attention_blocks(model):
@@ -2156,6 +2168,9 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
             # a query/key projection kept whole under a norm over all its heads (OLMo 2): the index picks its rows
             biased[f"{block.kind}:{block.layer}"] = ("its rows of the query and key projections, which stay whole "
                                                      "under a norm over all heads")
+        elif getattr(block.core, SCORE_HEADS_ATTR, None) is not None:  # ProphetNet's decoder self-attention
+            biased[f"{block.kind}:{block.layer}"] = ("its relative-position scores, computed for every head of the "
+                                                     "config from relative_pos_embeddings, kept whole")
     if biased:
         raise HeadlabError(
             f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "

@@ -219,8 +219,15 @@ class Family:
     heads x d rows (the family's ``pruned_forward``), and blocks count the heads from the output projection's input."""
     kept_whole: tuple[str, ...] = ()
     """Children of ``core`` that pruning leaves whole (ConvBERT's convolution heads: ``key_conv_attn_layer``,
-    ``conv_kernel_layer``, ``conv_out_layer``, of the original head count's widths), whose parameters' head-sized
-    widths are not heads physical pruning must slice."""
+    ``conv_kernel_layer``, ``conv_out_layer``, of the original head count's widths; ProphetNet's decoder
+    self-attention's ``relative_pos_embeddings``, a row per (bucket, head of the config): ``score_heads``), whose
+    parameters' head-sized widths are not heads physical pruning must slice."""
+    score_heads: bool = False
+    """The layer's forward computes a part of its scores for every head of the config at once, in an order that
+    follows the head count (ProphetNet's decoder self-attention: ``get_predict_relative_pos_embeddings`` gathers a
+    head's relative-position scores from other heads' rows), from children listed in ``kept_whole``: a pruned layer
+    is told its kept heads in the config's numbering (:data:`headlab.portable_code.SCORE_HEADS_ATTR`), and its
+    ``pruned_forward`` computes that part for the config's heads and takes the kept heads'."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -1883,12 +1890,6 @@ def _prophetnet_install(model: Any) -> None:
     install(model)
 
 
-PROPHETNET_NGRAM_PRUNING_REFUSED = (
-    "transformers' ProphetNetNgramSelfAttention (get_predict_relative_pos_embeddings) gives the predicting streams' "
-    "query of head h, stream n, position t the relative-position scores projected for another (position, stream, "
-    "head) row, in an order that follows the layer's head count and the length (projections ordered [batch, "
-    "position, stream, head], buckets [stream, batch, head, position]), so a layer with fewer heads gives the heads "
-    "it keeps other scores than the masked layer does (2.7e-3 apart on a tiny model): no pruning of it is exact")
 # ProphetNet (ProphetNetForConditionalGeneration, microsoft/prophetnet-large-uncased*, transformers 5.24,
 # models/prophetnet; session 41, branch prophetnet; XLM-ProphetNet left transformers before 5.24). The encoder's
 # layers.N.self_attn and the decoder's layers.N.cross_attn are ProphetNetAttention (a part, :data:`PROPHETNET_ATTENTION`).
@@ -1907,8 +1908,14 @@ PROPHETNET_NGRAM_PRUNING_REFUSED = (
 # reach logits_ngram only), are not analysed; importance measured by masking (ablation, gradients of gates) and LRP
 # (a head's relevance summed over out_proj's two runs) covers the whole head, every stream. headlab.adapters.prophetnet
 # (Family.install) hands a float64 model float64 masks and refuses padded target batches. Pruning: the encoder's and
-# the cross-attention's take PRUNED_FORWARDS["prophetnet-attention"]; the decoder self-attention's is refused
-# (PROPHETNET_NGRAM_PRUNING_REFUSED). LRP: the relative-position scores held constant
+# the cross-attention's take PRUNED_FORWARDS["prophetnet-attention"]; the decoder self-attention's
+# PRUNED_FORWARDS["prophetnet"]: transformers' get_predict_relative_pos_embeddings gives the predicting streams' query
+# of head h, stream n, position t the relative-position scores projected for another (position, stream, head) row, in
+# an order that follows the head count and the length (projections ordered [batch, position, stream, head], buckets
+# [stream, batch, head, position]), so relative_pos_embeddings stays whole and the pruned forward computes the scores
+# for the config's heads with transformers' own methods, then takes the kept heads' (score_heads, kept_whole); a layer
+# with no head left adds out_proj's bias to every stream and caches the main stream's length
+# (portable_code.STACKED_STREAMS). LRP: the relative-position scores held constant
 # (headlab.importance.mixer_rules.prophetnet), the predicting streams' rows at the decoder's cut kept as constants
 # (LEARNED_STREAMS).
 PROPHETNET_ATTENTION = Family(
@@ -1931,7 +1938,9 @@ PROPHETNET = Family(
     extra_outputs=1,
     output_calls=2,
     install=_prophetnet_install,
-    prune_refused=PROPHETNET_NGRAM_PRUNING_REFUSED,
+    pruned_forward="prophetnet",
+    kept_whole=("relative_pos_embeddings",),
+    score_heads=True,
     parts=(PROPHETNET_ATTENTION,),
 )
 # ProphetNetForCausalLM (is_encoder_decoder False): the decoder alone, its cross_attn (add_cross_attention) attending
