@@ -1,3 +1,56 @@
-"""The version of headlab: the one place it is written (pyproject.toml reads it from here)."""
+"""The version of headlab: the one place it is written (pyproject.toml reads it from here), and the range of
+transformers it runs on (pyproject.toml's dependency says the same: tests/test_requirements.py checks both)."""
+
+import re
+
+from headlab.errors import UnsupportedVersion
 
 __version__ = "0.1.0"
+
+TRANSFORMERS_FLOOR = (5, 24, 0)
+"""The oldest transformers that headlab's tests pass on (docs/benchmarks.md, "Which transformers and torch headlab runs
+on"). Its adapters are written against 5.24's modeling code, in which 521 attention modules take their cache as
+``cache=`` (``past_key_values=`` before): on 5.22 and 5.23 a pruned TrOCR's attention gets no cache and its check
+refuses the pruning; on 5.18 the adapters crash on an EncoderDecoderModel; on 5.12 T5 cannot run SDPA."""
+
+TRANSFORMERS_CEILING = (6,)
+"""The first transformers headlab does not run on: a major release may rewrite any modeling code."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"5.22.2"`` -> ``(5, 22, 2)``, ``"5.24"`` -> ``(5, 24, 0)`` (PEP 440: the same release); a pre-release or local
+    tail (``5.23.0.dev0``, ``5.24.0+cu``) is dropped."""
+    numbers = tuple(int(part) for part in re.findall(r"\d+", re.split(r"[^\d.]", version, maxsplit=1)[0]))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+def _spelled(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
+def transformers_problem(installed: str) -> str | None:
+    """Why headlab cannot run on transformers ``installed`` (its ``__version__``), or None when it is in range (a
+    pre-release of the floor itself, ``5.24.0.dev0``, is not: it may predate what the floor's release changed)."""
+    release = _release(installed)
+    floor_before_release = release == TRANSFORMERS_FLOOR and re.search(r"\d(a|b|rc|\.?dev)", installed.split("+")[0])
+    if TRANSFORMERS_FLOOR <= release < TRANSFORMERS_CEILING and not floor_before_release:
+        return None
+    wanted = f"transformers>={_spelled(TRANSFORMERS_FLOOR)},<{_spelled(TRANSFORMERS_CEILING)}"
+    return (f"headlab {__version__} needs transformers >= {_spelled(TRANSFORMERS_FLOOR)}, < "
+            f"{_spelled(TRANSFORMERS_CEILING)}, and this Python imports transformers {installed}: on another release "
+            "a family's modeling code may differ from what headlab's adapters read, and its results would be wrong "
+            f"without an error. Install one in range: pip install \"{wanted}\"")
+
+
+def require_transformers() -> None:
+    """Raise :class:`~headlab.errors.UnsupportedVersion` (an ImportError) naming both versions when the transformers
+    that Python imports is out of range.
+
+    Called where headlab first reads a model (:mod:`headlab.adapters`), not by ``import headlab``, which stays light.
+    pip checks the range at install, but not under ``pip install --no-deps``, with a source checkout on PYTHONPATH or
+    with a transformers installed after headlab."""
+    import transformers
+
+    problem = transformers_problem(str(transformers.__version__))
+    if problem:
+        raise UnsupportedVersion(problem)

@@ -22,6 +22,11 @@ class UnknownOption(HeadlabError, TypeError):
     a user's error like a misspelt flag, and still the TypeError that Python raises for it."""
 
 
+class UnsupportedVersion(HeadlabError, ImportError):
+    """A dependency outside the range headlab runs on (headlab._version.require_transformers): the user's install to
+    fix, which the command line reports as bad input (exit 2), and the ImportError a Python user expects of it."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised by the command line's handler (headlab.cli): it stops a command as Ctrl-C
     does, but the exit status is 143 (128 + 15), not 130; a launcher of processes that catches it

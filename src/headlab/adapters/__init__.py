@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headlab._version import require_transformers
 from headlab.adapters.discovery import (
     SUB_CONFIGS,
     Discovered,
@@ -74,6 +75,8 @@ from headlab.adapters.upstream import warn_upstream_bugs
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 from headlab.portable_code import install_tie_rule
+
+require_transformers()  # before any model is read: a transformers out of headlab's range, refused naming both versions
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",

@@ -1,0 +1,82 @@
+"""The transformers range headlab declares is the one it runs on, and it is checked where pip does not (session 43).
+
+pyproject.toml said ``transformers>=5,<6`` while everything was tested on 5.24: on 5.22 and 5.23 a pruned TrOCR gets
+no cache in generation (5.24 renamed the argument) and its check refuses the pruning; on 5.18 the adapters crash on an
+EncoderDecoderModel; on 5.12 T5 cannot be built for SDPA and a pruned Switch Transformers fails in its forward
+(docs/benchmarks.md, "Which transformers and torch headlab runs on"). The floor is now the oldest release the tests pass
+on, and :mod:`headlab.adapters` (where headlab first reads a model) refuses a transformers out of range, naming both
+versions: pip's own check is skipped by ``pip install --no-deps``, a source checkout on PYTHONPATH or a transformers
+upgraded or downgraded after headlab. ``import headlab`` stays light (tests/test_layers.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from headlab import HeadlabError
+from headlab._version import TRANSFORMERS_CEILING, TRANSFORMERS_FLOOR, transformers_problem
+from headlab.errors import UnsupportedVersion
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR = ".".join(map(str, TRANSFORMERS_FLOOR))
+
+
+@pytest.mark.parametrize("version", [FLOOR, "5.24", "5.24.1", "5.30.1", "5.99.0.dev0", "5.24.0+local"])
+def test_a_transformers_in_range_is_accepted(version):
+    assert transformers_problem(version) is None
+
+
+@pytest.mark.parametrize("version", ["5.0.0", "5.12.1", "5.18.0", "5.22.2", "5.23.0", "5.23.9.dev0", f"{FLOOR}.dev0",
+                                     f"{FLOOR}rc1", "4.57.6", "6.0.0", "6.0.0.dev0"])
+def test_a_transformers_out_of_range_is_refused_naming_both_versions(version):
+    problem = transformers_problem(version)
+    assert problem is not None
+    assert f"transformers {version}" in problem and f">= {FLOOR}, < 6" in problem
+    assert f'pip install "transformers>={FLOOR},<6"' in problem
+
+
+def test_pyproject_declares_the_range_headlab_checks():
+    """pip's range (pyproject.toml) and the run-time check (headlab._version) say the same."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.findall(r'^\s*"transformers([^"]*)",', text, re.M)
+    assert declared == [f">={FLOOR},<{'.'.join(map(str, TRANSFORMERS_CEILING))}"]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python whose transformers says it is 5.18.0 (its modules are the installed ones)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    prelude = "import transformers\ntransformers.__version__ = '5.18.0'\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_reading_a_model_under_an_old_transformers_is_refused_before_any_work():
+    """``import headlab`` works (it reads no model); the first import that reads one raises UnsupportedVersion, an
+    ImportError and a HeadlabError, with both versions; nothing of headlab's adapters is left half imported."""
+    out = _run("import sys, headlab\n"
+               "try:\n"
+               "    from headlab import attention_blocks\n"
+               "except ImportError as error:\n"
+               "    from headlab.errors import HeadlabError\n"
+               "    print(type(error).__name__, isinstance(error, HeadlabError), 'headlab.adapters' in sys.modules)\n"
+               "    print(error)\n")
+    assert out.returncode == 0, out.stderr
+    first, message = out.stdout.splitlines()[:2]
+    assert first == "UnsupportedVersion True False"
+    assert "transformers 5.18.0" in message and f">= {FLOOR}" in message
+
+
+def test_the_command_line_under_an_old_transformers_says_so_and_exits_2(tmp_path):
+    out = _run(f"from headlab.cli import main\nraise SystemExit(main(['heads', {str(tmp_path)!r}]))")
+    assert out.returncode == 2, out.stderr
+    assert "headlab heads: error: headlab" in out.stderr and "transformers 5.18.0" in out.stderr
+    assert "internal error" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unsupported_version_is_both_errors():
+    assert issubclass(UnsupportedVersion, ImportError) and issubclass(UnsupportedVersion, HeadlabError)
+    assert UnsupportedVersion.exit_code == 2
