@@ -213,6 +213,18 @@ def test_bundled_pruned_models_ship_the_current_module(directory):
     assert directory.read_text(encoding="utf-8") == module_code(base)
 
 
+def test_the_module_needs_no_package_beyond_torch_and_transformers(tmp_path):
+    """transformers' check_imports refuses to load remote code that imports, outside a try, a package that is not
+    installed: pruned_heads.py imported peft (for peft_from_pretrained) and accelerate (for an offloaded T5 table)
+    so, and a pruned model did not load with plain transformers without them ("This modeling file requires ...:
+    peft"; found in session 43 on a venv without peft). Now only torch, transformers and the standard library."""
+    from transformers.dynamic_module_utils import get_imports
+
+    code = tmp_path / CODE_FILE
+    code.write_text(module_code("LlamaForCausalLM"), encoding="utf-8")
+    assert set(get_imports(code)) - set(sys.stdlib_module_names) == {"torch", "transformers"}
+
+
 def test_a_pruned_stablelm_with_per_head_norms_says_it_needs_headlab(tmp_path):
     """StableLM with ``qk_layernorm`` keeps one LayerNorm per head in a list that the shipped module does
     not resize (a query head of a key/value group removed also gives the kept heads their own key/value

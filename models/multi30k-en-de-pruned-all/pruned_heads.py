@@ -983,7 +983,10 @@ def _table_loaded(source: nn.Module, name: str = "relative_attention_bias"):
     (``align_module_device``: what the module's hook does around its forward) only when asked."""
     table = getattr(source, name)
     if getattr(getattr(table, "_hf_hook", None), "offload", False):  # accelerate's: only where it dispatched the model
-        from accelerate.utils import align_module_device
+        try:  # in a try, as every import here of a package transformers does not need: see peft_from_pretrained
+            from accelerate.utils import align_module_device
+        except ImportError as error:  # accelerate's hook without accelerate: not a model it dispatched
+            raise ImportError(f"{name}: offloaded by an accelerate hook, and accelerate does not import") from error
 
         with align_module_device(table):
             yield table.weight.device
@@ -1485,7 +1488,12 @@ def peft_from_pretrained(model: nn.Module, model_id, **kwargs):
     """peft's ``PeftModel.from_pretrained(model, model_id, **kwargs)`` with the adapter's record of kept heads read
     first and compared once peft has loaded it (the load_state_dict hooks of a pruned model refuse peft's loading
     of an adapter on its pruned attention otherwise). A local directory only (its ``subfolder`` too)."""
-    from peft import PeftModel
+    # In a try: transformers' check_imports makes every package a remote-code file imports outside one a requirement
+    # of loading it, and a pruned model loads with plain transformers, peft or not.
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ImportError("peft_from_pretrained needs peft: pip install peft") from error
 
     found = _pruned_root(model)
     if found is None:
