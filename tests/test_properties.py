@@ -17,8 +17,9 @@ from support.models import tiny_model
 from support.treebank import bpe_tokenizer
 
 # derandomize: the same examples every run (no flaky CI); 600 random examples each passed once.
+# No timing check (deadline, too_slow): a draw took 31 s once on a CI box under load 8, failing a test of no speed
 SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 BLOCKS = attention_blocks(tiny_model("marian"))  # enc_self, dec_self, dec_cross: 2 layers x 4 heads
 KEYS = sorted({(b.kind, b.layer) for b in BLOCKS})
 
