@@ -1027,6 +1027,11 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
     return c
 
 
+def _per_kind(row: dict) -> tuple[int, ...]:
+    """A sweep point's heads kept per kind, in KINDS' order (a from-scratch run's key)."""
+    return tuple(row.get(k) or 0 for k in KINDS)
+
+
 def _footnote_value(matched: list[tuple]) -> str:
     """Footnote 8's cell: each fixed-lambda point against the same encoder heads from scratch."""
     return "; ".join(f"{_heads(row['enc_self'])} ({row['point']}): {row['bleu']:.2f} vs {s:.2f} from scratch, "
@@ -1211,14 +1216,19 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
         control.cells[name], versus.cells[name], against = _control_cells(r, "all", rows, reference, "")
         flat.cells[name] = _flat_cell(_control(rows), "all")
         fixed = [row for row in rows if row["series"] == "fixed"]
-        scratch = {sum(row["heads_kept"].values()): row["bleu"] for row in r.scratch
+        # matched by the heads of every kind, not their total: a budget point with a fixed-lambda point's total
+        # (EN-FR's keep-70, 2/26/42, and lam-0.005, 5/26/39) is another configuration than the one trained from scratch
+        scratch = {tuple(row["heads_kept"].get(k) or 0 for k in KINDS): row["bleu"] for row in r.scratch
                    if row.get("from_scratch") and row.get("bleu") is not None}
-        matched = [(row, scratch[row["heads"]], _scratch_delta(r, row, scratch[row["heads"]]))
-                   for row in rows if row["heads"] in scratch]
+        matched = [(row, scratch[_per_kind(row)], _scratch_delta(r, row, scratch[_per_kind(row)]))
+                   for row in rows if _per_kind(row) in scratch]
         table2.cells[name] = Cell("; ".join(f"{row['heads']} heads ({row['point']}): {row['bleu']:.2f} vs {s:.2f}, "
                                             f"{_interval(d)}" for row, s, d in matched),
                                   _settled(_versus_scratch([d for _, _, d in matched]), [row for row, _, _ in matched])) \
-            if matched else Cell("no from-scratch run", "not run: stage `scratch` has no result")
+            if matched else Cell("no from-scratch run", "not run: stage `scratch` has no result") if not scratch \
+            else Cell("no from-scratch run of a point's heads", "not run: the from-scratch runs keep "
+                      f"{', '.join('/'.join(map(str, k)) for k in scratch)} heads (enc_self/dec_self/dec_cross), no "
+                      "point the same")
         total = sum(sweep["full"]["heads_kept"].values())
         sparse = [row for row in fixed if row["heads"] < total / 2]
         if not fixed:
@@ -1261,7 +1271,7 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
         lines.append(f"| full | | | | {full_kept['enc_self']} | {full_kept['dec_self']} | {full_kept['dec_cross']} | "
                      f"{total} | {reference:.2f} | | | | |")
         for row in rows:
-            s = scratch.get(row["heads"])
+            s = scratch.get(_per_kind(row))
             lines.append(f"{_point_cells(row)} {row['enc_self']} | {row['dec_self']} | {row['dec_cross']} | {row['heads']} | "
                          f"{_f(row['bleu'])} | {_interval(deltas[row['point']])} | "
                          f"{_interval(against[row['point']]) if row['point'] in against else ''} | {_dev_change(row)} | "
