@@ -24,11 +24,11 @@ def _nllb_moe_experts(cls: type[nn.Module]) -> str | None:
     router_probs)``; read in transformers 5.24, models/nllb_moe): token ``t`` routed to expert ``t`` alone, with
     weight 1, must come out as ``expert_t(h_t)``. transformers 5.24 one-hot encodes the router's mask, which is
     one-hot already, and runs the expert named by the mask's value (0 or 1) instead of the expert's index."""
-    from transformers import NllbMoeConfig
+    import transformers
 
     experts = 4
-    config = NllbMoeConfig(d_model=4, num_experts=experts, moe_token_dropout=0.0, activation_function="relu",
-                           activation_dropout=0.0)
+    config = transformers.NllbMoeConfig(d_model=4, num_experts=experts, moe_token_dropout=0.0,
+                                        activation_function="relu", activation_dropout=0.0)
     module: Any = cls(config, 3).double().eval()  # a ModuleDict of experts
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -38,25 +38,19 @@ def _nllb_moe_experts(cls: type[nn.Module]) -> str | None:
         routed = torch.eye(experts, dtype=torch.long)  # token t to expert t, the router's top-1 mask
         out = module(hidden, routed, routed.to(torch.float64))
         right = torch.stack([module[f"expert_{t}"](hidden[t]) for t in range(experts)])
+        by_expert_1 = module["expert_1"](hidden)  # what transformers 5.24's bug computes for every token
     if torch.allclose(out, right, rtol=1e-12, atol=1e-12):
         return None
     ran = [t for t in range(experts) if torch.allclose(out[t], right[t], rtol=1e-12, atol=1e-12)]
-    with torch.no_grad():
-        known = torch.allclose(out, module["expert_1"](hidden), rtol=1e-12, atol=1e-12)
     how = ("it one-hot encodes the router's top-1 mask, one-hot already, so expert_1 computes every token's first "
            "expert, expert_0 its second, with their routing weights, and the other experts never run"
-           if known else "other experts than the router's, or other weights")
-    return (f"{cls.__name__}.forward (transformers {transformers_version()}) runs other experts than the router "
+           if torch.allclose(out, by_expert_1, rtol=1e-12, atol=1e-12) else "other experts than the router's, or "
+           "other weights")
+    return (f"{cls.__name__}.forward (transformers {transformers.__version__}) runs other experts than the router "
             f"chose: a tiny {cls.__name__} given each token routed to one expert computed the right output for "
             f"expert{'s' if len(ran) != 1 else ''} {', '.join(map(str, ran)) or 'none'} of {experts} only ({how}); "
             "this model's outputs are not its checkpoint's, and headlab's results are exact about the model as "
             "transformers computes it")
-
-
-def transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 PROBES: dict[str, Callable[[type[nn.Module]], str | None]] = {"NllbMoeExperts": _nllb_moe_experts}
@@ -83,18 +77,13 @@ def class_problem(cls: type[nn.Module]) -> str | None:
 _warned: set[type] = set()
 
 
-def warn_upstream_bugs(model: Any) -> list[str]:
-    """Warn (once per class and process) about each module class of ``model`` that :data:`PROBES` finds computing
-    wrong; the problems found, warned or not."""
+def warn_upstream_bugs(model: Any) -> None:
+    """Warn, once per class and process, about each module class of ``model`` that :data:`PROBES` finds computing
+    wrong."""
     if not isinstance(model, nn.Module):
-        return []
-    problems = []
-    for cls in {type(m) for m in model.modules() if type(m).__name__ in PROBES}:
+        return
+    for cls in {type(m) for m in model.modules() if type(m).__name__ in PROBES} - _warned:
         problem = class_problem(cls)
-        if problem is None:
-            continue
-        problems.append(problem)
-        if cls not in _warned:
+        if problem is not None:
             _warned.add(cls)
             warnings.warn(f"{type(model).__name__}: a bug of transformers: {problem}", UserWarning, stacklevel=3)
-    return problems
