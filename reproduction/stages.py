@@ -365,10 +365,36 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
 def _scratch_argv(ctx: Context, model: str, sweep: str, point: str, kinds: str, keep: int, out: str) -> list[str]:
     """``prune baseline --from-scratch`` of the heads a sweep point's gates keep (``keep`` of ``kinds``)."""
     gates = _sweep_dir(ctx, sweep) / point / "gates.json"
+    _check_scratch_heads(_points_dir(ctx, sweep) / point, ("enc_self",) if kinds == "enc_self" else None, keep)
     argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
             "--kinds", kinds, "--keeps", str(keep), "--from-scratch"]
     return argv + flags(ctx.config.scratch.get("options", {})) + _threads(ctx) + \
         ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", out))]
+
+
+def _check_scratch_heads(point: Path, kinds: tuple[str, ...] | None, keep: int) -> None:
+    """The run from scratch keeps the top ``keep`` heads of the ``point``'s gates.json by P(open) (a row so trained
+    stays valid while that file does); Table 2 and footnote 8 compare it with the point as the same heads. Refused
+    when the point kept others (its pruned model's record; kept.json among the results): P(open) tied where the
+    point's log_alpha was not (P(open) in float32, before session 44), or gates tied across depths."""
+    from headlab.heads import HeadScores
+    from headlab.surgery import PRUNING_FILE
+
+    record = next((path for path in (point / "pruned" / PRUNING_FILE, point / "kept.json") if path.is_file()), None)
+    if record is None:
+        raise SkipStage(f"point {point.name} has no {PRUNING_FILE} (the heads it kept) to check its run from scratch "
+                        "against")
+    removed = HeadScores.load(point / "gates.json").top_mask(keep, kinds)
+    blocks = json.loads(record.read_text(encoding="utf-8")).get("blocks", {})
+    kept_removed = {(kind, int(layer)): sorted(set(range(block["n_heads"])) - set(block["kept_heads"]))
+                    for kind, layers in blocks.items() if kinds is None or kind in kinds
+                    for layer, block in layers.items()}
+    kept_removed = {key: heads for key, heads in kept_removed.items() if heads}
+    if kept_removed != removed:
+        differ = sorted(key for key in set(kept_removed) | set(removed) if kept_removed.get(key) != removed.get(key))
+        raise SkipStage(f"point {point.name} kept other heads than the top {keep} of its gates.json by P(open) "
+                        f"(they differ in {', '.join(f'{kind} layer {layer}' for kind, layer in differ)}): a run "
+                        "from scratch of those would be another configuration than the point's")
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,20 @@ def test_a_recomputed_call_whose_state_two_passes_share_is_refused():
         replay.find(call)
     del alive  # the first pass's graph gone: the call is the second pass's alone
     torch.testing.assert_close(replay.find(call), torch.tensor([0.7, 0.1]))
+
+
+def test_p_open_ranks_heads_as_log_alpha_does():
+    """A point's from-scratch run keeps the top N of its gates.json by P(open); the point kept its top N by
+    log_alpha (a budget) or log_alpha's sign (footnote 7). Adam's first updates move every gate by almost exactly
+    its learning rate, leaving log_alpha values a few float32 ulps apart: P(open) computed in float32 merged them,
+    and the tie, broken by position, kept other heads than the point (the tiny reproduction: 8/2/2 for 8/1/3)."""
+    base = torch.tensor(3.1, dtype=torch.float32)
+    ulp = torch.nextafter(base, torch.tensor(4.0)) - base
+    # later heads a few ulps higher: a tie broken by position would keep the first ones
+    values = [base, base + ulp, base + 2 * ulp, base + 5 * ulp]
+    gates = gates_for([float(v) for v in values])
+    for keep in range(1, 4):
+        assert gates.p_open_scores().top_mask(keep, ("enc_self",)) == gates.keep_top(keep)
+    p = gates.p_open()[("enc_self", 0)]
+    assert p.dtype == torch.float64 and bool((p.diff() > 0).all())
+    torch.testing.assert_close(p, 1 - gates.p_zero(torch.tensor(values, dtype=torch.float64)))

@@ -322,8 +322,12 @@ class HardConcreteGates(HeadGates):
     @torch.no_grad()
     def p_open(self) -> dict[BlockKey, torch.Tensor]:
         """1 - P(g = 0) per block (the quantity the penalty counts, once per gate of its own: :meth:`keys`); a tied
-        block has its gate's."""
-        return {key: 1 - self.p_zero(self._alpha(key).detach().float()).cpu() for key in self.all_keys()}
+        block has its gate's. In float64, from the penalty's own form sigmoid(log_alpha - shift): in float32 it rounds
+        gates a few ulps of log_alpha apart to one value (near P = 0.98 one ulp of P is ten of log_alpha's), and a
+        ranking by P(open) (the from-scratch run of a point, ``--method scores``) then broke their tie by position
+        where :meth:`keep_top` and footnote 7's rule, reading log_alpha, had not."""
+        return {key: torch.sigmoid(self._alpha(key).detach().double().cpu() - self._shift_zero)
+                for key in self.all_keys()}
 
     @torch.no_grad()
     def open_mask(self) -> dict[BlockKey, torch.Tensor]:
