@@ -60,7 +60,10 @@
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
 #   printf "/.carry/\n/.whl/\n" >> .git/info/exclude; mkdir -p .carry .whl
 #   cp ../shared/data/wmt-news-en-de/{news-train,tatoeba,newstest2020,newstest2019}.{en,de}.gz .carry/  # news only
-#   .venv/bin/pip download --no-deps -d .whl conllu==6.0.0    # the one dependency the GPU image lacks
+#   .venv/bin/pip download --no-deps -d .whl conllu==6.0.0 transformers==5.24.0   # the image lacks conllu, and
+#   # its transformers (5.17) is below headlab's floor; transformers 5.24 needs regex>=2025.10.22 (cp312 wheel):
+#   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl regex==2026.11.19   # 14 MiB in all
 #   experiments/device-tree.sh out   # the tracked files no job here reads leave the tree (64 MiB limit); `back` after
 # and in each call: carry [".whl", ".carry"], command `experiments/device.sh sweep multi30k-en-de`.
 set -euo pipefail
@@ -68,11 +71,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:?OUT: the folder whose files come back}
 MINUTES=${MINUTES:-8}
 PY=${PYTHON:-python3}
-if [ -d .whl ] && ! "$PY" -c "import conllu" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+# The carried wheels go first on the path, over the image's own: its transformers (5.17 in KINDS.md's pip list)
+# is below headlab's floor, which headlab.adapters refuses at import.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# Refused here, in seconds, rather than by every job after the machine has started: the versions headlab runs on.
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__); import headlab.adapters, conllu" \
+  || { echo "this image cannot run headlab: carry the wheels the plan names in .whl (see the header)"; exit 4; }
 mkdir -p /tmp/headlab-bin  # `headlab` for the experiments' scripts, from this tree's sources
 printf '#!/bin/sh\nexec %s -m headlab "$@"\n' "$PY" > /tmp/headlab-bin/headlab
 chmod +x /tmp/headlab-bin/headlab
