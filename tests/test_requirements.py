@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from headlab import HeadlabError
-from headlab._version import TRANSFORMERS_CEILING, TRANSFORMERS_FLOOR, transformers_problem
+from headlab._version import TRANSFORMERS_CEILING, TRANSFORMERS_FLOOR, TRITON_FLOOR, transformers_problem, triton_problem
 from headlab.errors import UnsupportedVersion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +80,49 @@ def test_the_command_line_under_an_old_transformers_says_so_and_exits_2(tmp_path
 def test_unsupported_version_is_both_errors():
     assert issubclass(UnsupportedVersion, ImportError) and issubclass(UnsupportedVersion, HeadlabError)
     assert UnsupportedVersion.exit_code == 2
+
+
+def test_pyproject_declares_the_triton_floor_headlab_checks():
+    """The kernel extra (and the test extra, whose kernel tests run in triton's interpreter) ask for the triton the
+    run-time check accepts."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.findall(r'"triton([^";]*);', text)
+    assert declared and set(declared) == {f">={'.'.join(map(str, TRITON_FLOOR[:2]))}"}
+
+
+@pytest.mark.parametrize("version", ["3.4.0", "3.6.0", "3.9.0", "3.5.0+git1234"])
+def test_a_triton_from_the_floor_on_runs_the_kernel(version):
+    assert triton_problem(version) is None
+
+
+@pytest.mark.parametrize("version", ["3.2.0", "3.3.1", "2.1.0"])
+def test_an_older_triton_is_refused_naming_its_version(version):
+    assert f"needs triton >= 3.4.0, and this Python imports triton {version}" in triton_problem(version)
+    assert "needs triton (pip install triton" in triton_problem(None)
+
+
+def test_the_kernel_is_refused_under_an_old_triton_not_crashed(monkeypatch):
+    """torch 2.6's CUDA wheels ship triton 3.2, which has no ``triton.knobs``: ``interpreted()`` raised AttributeError
+    from --engine kernel's check and from every kernel call in bfloat16 (session 44, run on triton 3.2.0)."""
+    import importlib.machinery
+    import importlib.metadata
+    import types
+
+    import torch
+
+    from headlab.data import attention_kernel
+    from headlab.functions.analysis import check_kernel
+    from headlab.functions.config import AnalysisConfig
+
+    old = types.ModuleType("triton")
+    old.__version__ = "3.2.0"  # and no knobs
+    old.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+    monkeypatch.setitem(sys.modules, "triton", old)
+    assert attention_kernel.interpreted() is False
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    assert "this Python imports triton 3.2.0" in attention_kernel.refusal(q, q, q)
+    with pytest.raises(HeadlabError, match="needs triton >= 3.4.0, and this Python imports triton 3.2.0"):
+        check_kernel(torch.device("cuda"))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.2.0" if name == "triton" else "0")
+    with pytest.raises(HeadlabError, match="imports triton 3.2.0"):  # before the model loads
+        AnalysisConfig(engine="kernel")

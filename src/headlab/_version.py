@@ -17,6 +17,14 @@ TRANSFORMERS_CEILING = (6,)
 """The first transformers headlab does not run on: a major release may rewrite any modeling code."""
 
 
+TRITON_FLOOR = (3, 4, 0)
+"""The oldest triton ``--engine kernel`` runs on (pyproject's kernel extra says the same): the kernel is run on 3.6 (the
+GPU image) and 3.9 (its interpreter here); 3.2, which torch 2.6's CUDA wheels ship, has no ``triton.knobs``, where
+headlab reads whether the interpreter is on, and was never run."""
+
+KERNEL_NEEDS_TRITON = "--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)"
+
+
 def _release(version: str) -> tuple[int, ...]:
     """``"5.22.2"`` -> ``(5, 22, 2)``, ``"5.24"`` -> ``(5, 24, 0)`` (PEP 440: the same release); a pre-release or local
     tail (``5.23.0.dev0``, ``5.24.0+cu``) is dropped."""
@@ -40,6 +48,32 @@ def transformers_problem(installed: str) -> str | None:
             f"{_spelled(TRANSFORMERS_CEILING)}, and this Python imports transformers {installed}: on another release "
             "a family's modeling code may differ from what headlab's adapters read, and its results would be wrong "
             f"without an error. Install one in range: pip install \"{wanted}\"")
+
+
+def triton_problem(installed: str | None) -> str | None:
+    """Why ``--engine kernel`` cannot run on triton ``installed`` (its version; None: not installed), or None."""
+    if installed is None:
+        return KERNEL_NEEDS_TRITON
+    if _release(installed) >= TRITON_FLOOR:
+        return None
+    return (f"--engine kernel needs triton >= {_spelled(TRITON_FLOOR)}, and this Python imports triton {installed}, "
+            f"on which the kernel was never run: pip install \"triton>={_spelled(TRITON_FLOOR)}\" (headlab's kernel "
+            "extra), or use the default fused engine")
+
+
+def installed_triton() -> str | None:
+    """The version of the triton this Python would import, read from its metadata without importing it (the options'
+    check runs before the model loads); None when there is none. A triton found without metadata (a source tree on
+    the path) passes as the floor: importing it says the rest."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return _spelled(TRITON_FLOOR)
 
 
 def require_transformers() -> None:

@@ -76,13 +76,25 @@ class KernelStatistics:
         return torch.where(self.argmax >= 0, weight, torch.zeros_like(weight))
 
 
-def interpreted() -> bool:
-    """Whether triton runs kernels in its interpreter (on the CPU): ``TRITON_INTERPRET=1``, read
-    by triton each time a kernel is defined (:func:`_kernel` defines one per setting)."""
+def triton_refusal() -> str | None:
+    """Why the kernel cannot run on this Python's triton (none, or older than the floor), or None."""
+    from headlab._version import triton_problem
+
     try:
         import triton
     except ImportError:
+        return triton_problem(None)
+    return triton_problem(str(triton.__version__))
+
+
+def interpreted() -> bool:
+    """Whether triton runs kernels in its interpreter (on the CPU): ``TRITON_INTERPRET=1``, read
+    by triton each time a kernel is defined (:func:`_kernel` defines one per setting). False with
+    no triton the kernel runs on (:func:`triton_refusal`: before 3.4 there is no ``triton.knobs``)."""
+    if triton_refusal():
         return False
+    import triton
+
     return bool(triton.knobs.runtime.interpret)
 
 
@@ -93,10 +105,9 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float
     ``bias``: an additive position bias (T5, ALiBi); ``float_mask``: an additive float mask (only
     boolean masks are supported); ``sinks``: learned attention sinks (extra logits in the softmax);
     ``dropout``: attention dropout in training."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed (pip install triton; CUDA wheels of torch ship it)"
+    problem = triton_refusal()
+    if problem:
+        return problem
     if softcap:
         return "soft-capped scores (softcap) are not supported by the kernel"
     if bias:

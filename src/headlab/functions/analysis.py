@@ -778,10 +778,9 @@ def check_kernel(device: torch.device) -> None:
     other than a CUDA GPU (Triton's interpreter, ``TRITON_INTERPRET=1``, runs it on the CPU for tests)."""
     from headlab.data import attention_kernel
 
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)") from None
+    problem = attention_kernel.triton_refusal()
+    if problem:
+        raise HeadlabError(problem)
     if device.type != "cuda" and not attention_kernel.interpreted():
         raise HeadlabError(f"--engine kernel runs on a CUDA GPU; the model is on {device.type} "
                            "(use the default fused engine there)")

@@ -90,10 +90,11 @@ class AnalysisConfig(PluginOptions):
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         preflight.query_chunk(self.query_chunk)
         if self.engine == "kernel":
-            import importlib.util
+            from headlab._version import installed_triton, triton_problem
 
-            if importlib.util.find_spec("triton") is None:  # found, not imported: before the model is loaded
-                raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)")
+            problem = triton_problem(installed_triton())  # found, not imported: before the model is loaded
+            if problem:
+                raise HeadlabError(problem)
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         if self.options:

@@ -85,9 +85,10 @@ class ConfidenceOptions:
         if self.engine is not None and self.engine not in CONFIDENCE_ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {self.engine!r}")
         if self.engine == "kernel":
-            import importlib.util
+            from headlab._version import installed_triton, triton_problem
 
-            if importlib.util.find_spec("triton") is None:  # found, not imported: before the model is loaded
-                raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)")
+            problem = triton_problem(installed_triton())  # found, not imported: before the model is loaded
+            if problem:
+                raise HeadlabError(problem)
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
