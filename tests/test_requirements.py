@@ -6,7 +6,12 @@ EncoderDecoderModel; on 5.12 T5 cannot be built for SDPA and a pruned Switch Tra
 (docs/benchmarks.md, "Which transformers and torch headlab runs on"). The floor is now the oldest release the tests pass
 on, and :mod:`headlab.adapters` (where headlab first reads a model) refuses a transformers out of range, naming both
 versions: pip's own check is skipped by ``pip install --no-deps``, a source checkout on PYTHONPATH or a transformers
-upgraded or downgraded after headlab. ``import headlab`` stays light (tests/test_layers.py)."""
+upgraded or downgraded after headlab. ``import headlab`` stays light (tests/test_layers.py).
+
+The same for Python (session 44): pyproject.toml said ``requires-python = ">=3.10"``, but transformers declares
+``Requires-Python >=3.11.0`` from 5.21 on, so on 3.10 pip finds no transformers in range, and 5.24 forced onto 3.10
+raises ImportError when imported, which the command line reported as a bug in headlab. The floor is now 3.11, and
+``import headlab`` refuses an older Python naming both versions."""
 
 from __future__ import annotations
 
@@ -14,16 +19,28 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import metadata
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from headlab import HeadlabError
-from headlab._version import TRANSFORMERS_CEILING, TRANSFORMERS_FLOOR, TRITON_FLOOR, transformers_problem, triton_problem
+from headlab._version import (
+    PYTHON_FLOOR,
+    TRANSFORMERS_CEILING,
+    TRANSFORMERS_FLOOR,
+    TRITON_FLOOR,
+    python_problem,
+    transformers_problem,
+    triton_problem,
+)
 from headlab.errors import UnsupportedVersion
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = ".".join(map(str, TRANSFORMERS_FLOOR))
+PYTHON = ".".join(map(str, PYTHON_FLOOR))
 
 
 @pytest.mark.parametrize("version", [FLOOR, "5.24", "5.24.1", "5.30.1", "5.99.0.dev0", "5.24.0+local"])
@@ -45,6 +62,47 @@ def test_pyproject_declares_the_range_headlab_checks():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     declared = re.findall(r'^\s*"transformers([^"]*)",', text, re.M)
     assert declared == [f">={FLOOR},<{'.'.join(map(str, TRANSFORMERS_CEILING))}"]
+
+
+def test_pyproject_requires_the_python_transformers_needs():
+    """requires-python is headlab's floor, at least the one the installed transformers declares (5.24.0's is 3.11.0:
+    ">=3.10" failed here), and mypy checks against the same Python."""
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        pyproject = tomllib.load(file)
+    assert pyproject["project"]["requires-python"] == f">={PYTHON}"
+    assert pyproject["tool"]["mypy"]["python_version"] == PYTHON
+    assert SpecifierSet(metadata("transformers")["Requires-Python"]).contains(f"{PYTHON}.0")
+
+
+@pytest.mark.parametrize("version_info", [(3, 11, 0, "final", 0), (3, 12, 1), (3, 13, 0, "final", 0), (4, 0, 0)])
+def test_a_python_from_the_floor_on_is_accepted(version_info):
+    assert python_problem(version_info) is None
+
+
+@pytest.mark.parametrize("version_info", [(3, 10, 13, "final", 0), (3, 9, 18), (2, 7, 18)])
+def test_an_older_python_is_refused_naming_both_versions(version_info):
+    problem = python_problem(version_info)
+    assert problem is not None
+    assert f"needs Python >= {PYTHON}" in problem and f"this is Python {'.'.join(map(str, version_info[:3]))}" in problem
+
+
+def test_import_headlab_under_python_3_10_is_refused_before_any_work():
+    """``import headlab`` raises UnsupportedVersion (an ImportError and a HeadlabError) with both versions, before
+    transformers, torch or any module of headlab beyond three light ones is imported."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    code = ("import sys\n"
+            "sys.version_info = (3, 10, 13, 'final', 0)\n"
+            "try:\n"
+            "    import headlab\n"
+            "except ImportError as error:\n"
+            "    loaded = sorted(m for m in sys.modules if m.startswith(('headlab', 'transformers', 'torch')))\n"
+            "    print(type(error).__name__, 'HeadlabError' in [c.__name__ for c in type(error).__mro__], loaded)\n"
+            "    print(error)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, message = out.stdout.splitlines()[:2]
+    assert first == "UnsupportedVersion True ['headlab._lazy', 'headlab._version', 'headlab.errors']"
+    assert f"needs Python >= {PYTHON}" in message and "this is Python 3.10.13" in message
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

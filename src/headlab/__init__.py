@@ -21,6 +21,9 @@ from importlib import import_module
 
 from headlab._lazy import lazy_exports
 from headlab._version import __version__ as __version__  # re-exported
+from headlab._version import require_python
+
+require_python()  # Python 3.10: refused here, naming both versions, before any module that needs 3.11 is read
 
 _EXPORTS = {  # module -> the names it exports
     "headlab.api": ("Analysis", "analyze", "prune"),

@@ -1,7 +1,9 @@
-"""The version of headlab: the one place it is written (pyproject.toml reads it from here), and the range of
-transformers it runs on (pyproject.toml's dependency says the same: tests/test_requirements.py checks both)."""
+"""The version of headlab: the one place it is written (pyproject.toml reads it from here), the range of
+transformers it runs on and the oldest Python (pyproject.toml's dependency and requires-python say the same:
+tests/test_requirements.py checks them)."""
 
 import re
+import sys
 
 from headlab.errors import UnsupportedVersion
 
@@ -15,6 +17,11 @@ refuses the pruning; on 5.18 the adapters crash on an EncoderDecoderModel; on 5.
 
 TRANSFORMERS_CEILING = (6,)
 """The first transformers headlab does not run on: a major release may rewrite any modeling code."""
+
+PYTHON_FLOOR = (3, 11)
+"""The oldest Python headlab runs on: transformers declares ``Requires-Python >=3.11.0`` from 5.21 on, so pip finds no
+transformers >= 5.24 (TRANSFORMERS_FLOOR) for Python 3.10, and 5.24 forced onto 3.10 raises ImportError when imported
+(docs/benchmarks.md, "Which transformers and torch headlab runs on", "Python versions")."""
 
 
 TRITON_FLOOR = (3, 4, 0)
@@ -34,6 +41,27 @@ def _release(version: str) -> tuple[int, ...]:
 
 def _spelled(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release))
+
+
+def python_problem(version_info: tuple) -> str | None:
+    """Why headlab cannot run on the Python whose ``sys.version_info`` is ``version_info``, or None."""
+    if tuple(version_info[:2]) >= PYTHON_FLOOR:
+        return None
+    return (f"headlab {__version__} needs Python >= {_spelled(PYTHON_FLOOR)}, and this is Python "
+            f"{_spelled(tuple(version_info[:3]))}: transformers >= {_spelled(TRANSFORMERS_FLOOR)}, through which headlab "
+            f"reads every model, runs on Python {_spelled(PYTHON_FLOOR)} and later only. Run headlab under Python "
+            f"{_spelled(PYTHON_FLOOR)} or later.")
+
+
+def require_python() -> None:
+    """Raise :class:`~headlab.errors.UnsupportedVersion` (an ImportError) on a Python older than :data:`PYTHON_FLOOR`.
+
+    Called by ``import headlab``, so every command and the API refuse before any work; pip's own check
+    (requires-python) is skipped by a source checkout on PYTHONPATH and by ``pip install --ignore-requires-python``,
+    and there transformers' ImportError came out of the command line as "internal error ... a bug in headlab"."""
+    problem = python_problem(sys.version_info)
+    if problem:
+        raise UnsupportedVersion(problem)
 
 
 def transformers_problem(installed: str) -> str | None:

@@ -23,8 +23,9 @@ class UnknownOption(HeadlabError, TypeError):
 
 
 class UnsupportedVersion(HeadlabError, ImportError):
-    """A dependency outside the range headlab runs on (headlab._version.require_transformers): the user's install to
-    fix, which the command line reports as bad input (exit 2), and the ImportError a Python user expects of it."""
+    """A dependency or a Python outside the range headlab runs on (headlab._version.require_transformers and
+    require_python): the user's install to fix, which the command line reports as bad input (exit 2), and the
+    ImportError a Python user expects of it."""
 
 
 class Terminated(KeyboardInterrupt):
