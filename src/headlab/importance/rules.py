@@ -88,9 +88,11 @@ The other rules become ordinary backward passes once the right factors are detac
   A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
   output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
-  gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
-  convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
-  projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
+  gradient, 0 where it clips, lost that relevance), the model's own clamp after it passing the gradient on its closed
+  interval (:class:`_ClosedClamps`: torch 2.14 made it 0 at the bounds). ZAYA's compressed convolutional attention
+  (queries and keys convolved over time and mixed across a group, values ``[v_proj_current(x_t) |
+  v_proj_delayed(x_{t-1})]``): its projection's query and key outputs detached, the values a linear path
+  (:mod:`headlab.importance.cca_rule`).
   Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
   (:mod:`headlab.importance.mixer_rules.inkling`). Inkling2's sinks, relative position bias and output gate, head rows
