@@ -88,9 +88,11 @@ The other rules become ordinary backward passes once the right factors are detac
   A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
   output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
-  gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
-  convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
-  projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
+  gradient, 0 where it clips, lost that relevance), the model's own clamp after it passing the gradient on its closed
+  interval (:class:`_ClosedClamps`: torch 2.14 made it 0 at the bounds). ZAYA's compressed convolutional attention
+  (queries and keys convolved over time and mixed across a group, values ``[v_proj_current(x_t) |
+  v_proj_delayed(x_{t-1})]``): its projection's query and key outputs detached, the values a linear path
+  (:mod:`headlab.importance.cca_rule`).
   Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
   (:mod:`headlab.importance.mixer_rules.inkling`). Inkling2's sinks, relative position bias and output gate, head rows
@@ -134,6 +136,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES, VALUE_EMBEDDINGS
@@ -918,8 +921,8 @@ class _ClampIdentity(torch.autograd.Function):
     """``clamp(x, low, high)`` (``low`` None: no lower bound) with the identity rule of element-wise functions,
     ``R(x) = R(clamp(x))`` (Voita et al. 2019, App. A.2; AttnLRP, Achtibat et al. 2024, Sec. 3.3): the gradient scaled
     by ``clamp(x) / x`` (1 where ``x`` is 0), so that gradient x input at ``x`` is the output's. The value is the
-    clamp's, exactly: the forward's own clamp after it leaves it unchanged, and passes its gradient (torch's bounds
-    are inclusive)."""
+    clamp's, exactly: the forward's own clamp after it leaves it unchanged, and passes its gradient, the clipped values
+    lying on its bounds (:class:`_ClosedClamps`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, low: float | None, high: float) -> torch.Tensor:
@@ -933,6 +936,66 @@ class _ClampIdentity(torch.autograd.Function):
         one = torch.ones_like(x)
         ratio = torch.where(x == 0, one, x.clamp(min=ctx.low, max=ctx.high) / torch.where(x == 0, one, x))
         return grads[0] * ratio, None, None
+
+
+class _ClosedClamp(torch.autograd.Function):
+    """``clamp(x, low, high)`` (a bound None: none) whose gradient is 1 on the closed interval ``[low, high]`` and 0
+    outside it: torch's up to 2.13 (``clamp_backward``: ``self >= min && self <= max``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+        inside = torch.ones_like(x, dtype=torch.bool)
+        if low is not None:
+            inside &= x >= low
+        if high is not None:
+            inside &= x <= high
+        ctx.save_for_backward(inside)  # not x: OLMo clamps it in place
+        return x.clamp(min=low, max=high)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        inside, = ctx.saved_tensors
+        return torch.where(inside, grads[0], torch.zeros_like(grads[0])), None, None
+
+
+# function -> the names of its bounds after the input: clamp and clip (min, max), clamp_min (min), clamp_max (max)
+_CLAMPS: dict[Any, tuple[str, ...]] = {
+    **{f: ("min", "max") for f in (torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
+                                   torch.Tensor.clamp_, torch.Tensor.clip_)},
+    **{f: ("min",) for f in (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)},
+    **{f: ("max",) for f in (torch.clamp_max, torch.Tensor.clamp_max, torch.Tensor.clamp_max_)},
+}
+_IN_PLACE = (torch.Tensor.clamp_, torch.Tensor.clip_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_)
+
+
+class _ClosedClamps(TorchFunctionMode):
+    """Every clamp with number bounds that the code asks for under :func:`lrp_rules` passes the gradient on the closed
+    interval of its bounds (:class:`_ClosedClamp`), as torch did up to 2.13.
+
+    The identity rule (:class:`_ClampIdentity`) clamps a projection's output, clipped values onto the bounds, before
+    the model's own clamp (``clip_qkv``, a gated MLP's ``swiglu_limit``), which must then pass their gradient. torch
+    2.14 gives a clamp the gradient 0 at its bounds (the minimum-norm subgradient; pytorch issue #195931), which lost
+    every clipped value's relevance. Tensor bounds and ``out=`` are left to torch."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bounds = _number_bounds(func, args, kwargs)
+        if bounds is None or not torch.is_grad_enabled() or not args[0].requires_grad:
+            return func(*args, **kwargs)
+        clamped = _ClosedClamp.apply(args[0], bounds.get("min"), bounds.get("max"))
+        return args[0].copy_(clamped) if func in _IN_PLACE else clamped
+
+
+def _number_bounds(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The bounds by name of a call of one of :data:`_CLAMPS` on a tensor, each a number or None; None for any other
+    call (another function, a tensor bound, ``out=``)."""
+    names = _CLAMPS.get(func)
+    if names is None or not args or not isinstance(args[0], torch.Tensor) or len(args) > 1 + len(names):
+        return None
+    bounds = {**dict(zip(names, args[1:])), **kwargs}
+    if set(bounds) - set(names) or not all(b is None or isinstance(b, (int, float)) for b in bounds.values()):
+        return None
+    return bounds
 
 
 def _clip(block: AttentionBlock) -> float | None:
@@ -2471,7 +2534,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for path, module in model.named_modules():
             if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
                 handles.extend(register_hooks(mixer.hooks(module)))
-        with shared_kv_rule.keys_held(blocks):  # DeepSeek-V4's keys, which are its values: held in its attention
+        # DeepSeek-V4's keys, which are its values: held in its attention; the clamps' gradient torch's up to 2.13
+        with shared_kv_rule.keys_held(blocks), _ClosedClamps():
             yield
     finally:
         handles.remove()
