@@ -24,11 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from headlab.heads import atomic_write_text
 from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.lock import DirectoryLock
 from headlab.resume import SkipStage, weights_fingerprint
 from reproduction.config import ModelEntry, ReproduceConfig, flags
+from reproduction.results import kept_mask
 from reproduction.significance import run_hypotheses
 from reproduction.specialisation import run_specialisation
 
@@ -380,18 +383,21 @@ def _check_scratch_heads(point: Path, kinds: tuple[str, ...] | None, keep: int) 
     from headlab.heads import HeadScores
     from headlab.surgery import PRUNING_FILE
 
-    record = next((path for path in (point / "pruned" / PRUNING_FILE, point / "kept.json") if path.is_file()), None)
-    if record is None:
+    path = next((path for path in (point / "pruned" / PRUNING_FILE, point / "kept.json") if path.is_file()), None)
+    if path is None:
         raise SkipStage(f"point {point.name} has no {PRUNING_FILE} (the heads it kept) to check its run from scratch "
                         "against")
-    removed = HeadScores.load(point / "gates.json").top_mask(keep, kinds)
-    blocks = json.loads(record.read_text(encoding="utf-8")).get("blocks", {})
-    kept_removed = {(kind, int(layer)): sorted(set(range(block["n_heads"])) - set(block["kept_heads"]))
-                    for kind, layers in blocks.items() if kinds is None or kind in kinds
-                    for layer, block in layers.items()}
-    kept_removed = {key: heads for key, heads in kept_removed.items() if heads}
-    if kept_removed != removed:
-        differ = sorted(key for key in set(kept_removed) | set(removed) if kept_removed.get(key) != removed.get(key))
+    scores = HeadScores.load(point / "gates.json")
+    point_record = {"kept": json.loads(path.read_text(encoding="utf-8"))}
+    expected = {kind: np.ones(scores[kind].shape, dtype=bool) for kind in kinds or scores.kinds}
+    for (kind, layer), heads in scores.top_mask(keep, tuple(expected)).items():
+        expected[kind][layer, heads] = False
+    differ = []
+    for kind, mask in expected.items():
+        n_layers, n_heads = scores[kind].shape
+        kept = kept_mask(point_record, kind, (n_layers, n_heads))
+        differ += [(kind, int(layer)) for layer in np.flatnonzero(np.any(kept != mask, axis=1))]
+    if differ:
         raise SkipStage(f"point {point.name} kept other heads than the top {keep} of its gates.json by P(open) "
                         f"(they differ in {', '.join(f'{kind} layer {layer}' for kind, layer in differ)}): a run "
                         "from scratch of those would be another configuration than the point's")
