@@ -5,7 +5,7 @@ tests/test_requirements.py checks them)."""
 import re
 import sys
 
-from headlab.errors import UnsupportedVersion
+from headlab.errors import HeadlabError, UnsupportedVersion
 
 __version__ = "0.1.0"
 
@@ -102,6 +102,14 @@ def installed_triton() -> str | None:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         return _spelled(TRITON_FLOOR)
+
+
+def require_kernel_triton() -> None:
+    """Refuse ``--engine kernel`` (a HeadlabError naming the triton found) before the model loads: the options of
+    ``functions``/``aggregate`` and of confidence check it so."""
+    problem = triton_problem(installed_triton())  # found, not imported
+    if problem:
+        raise HeadlabError(problem)
 
 
 def require_transformers() -> None:

@@ -90,11 +90,9 @@ class AnalysisConfig(PluginOptions):
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         preflight.query_chunk(self.query_chunk)
         if self.engine == "kernel":
-            from headlab._version import installed_triton, triton_problem
+            from headlab._version import require_kernel_triton
 
-            problem = triton_problem(installed_triton())  # found, not imported: before the model is loaded
-            if problem:
-                raise HeadlabError(problem)
+            require_kernel_triton()
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         if self.options:

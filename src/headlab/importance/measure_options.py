@@ -85,10 +85,8 @@ class ConfidenceOptions:
         if self.engine is not None and self.engine not in CONFIDENCE_ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {self.engine!r}")
         if self.engine == "kernel":
-            from headlab._version import installed_triton, triton_problem
+            from headlab._version import require_kernel_triton
 
-            problem = triton_problem(installed_triton())  # found, not imported: before the model is loaded
-            if problem:
-                raise HeadlabError(problem)
+            require_kernel_triton()
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
