@@ -270,3 +270,37 @@ def test_nan_in_both_that_the_floor_does_not_remove_is_refused_naming_what_was_n
             "compared (every finite value agrees)") in message
     assert "float64 attention mask" in message  # own_nan_cause's own floor still names the cause
     assert [block.n_heads for block in attention_blocks(model)] == [4, 4]
+
+
+def _float64_mpt() -> torch.nn.Module:
+    from support.family_matrix import ANALYSED
+
+    cls, config = ANALYSED["mpt"]()
+    torch.manual_seed(0)
+    return cls(config).double().eval()
+
+
+def test_mpts_own_filled_mask_is_named_where_the_floor_cannot_reach_it():
+    """MptAttention fills its scores from a boolean mask with float64's lowest value itself, then takes a float32
+    softmax: the left-padded row is NaN and no floor of a mask handed to attention removes it. Before, pruning said
+    "Check its weights and dtype" and capture blamed an overflow in the block's input or weights (session 45)."""
+    model = _float64_mpt()
+    probe = probe_inputs(model)
+    real = probe["attention_mask"].bool()
+    assert _forward(model, probe)[2][real[2]].isnan().all()  # what the messages rest on, in transformers alone
+    with pytest.raises(HeadlabError) as caught:
+        prune_heads(_float64_mpt(), {("dec_self", 0): [1]})
+    message = str(caught.value)
+    assert "Cause: MPT's attention (MptAttention) fills its masked scores with float64's lowest value" in message
+    assert "load it in float32, where it is finite; nothing was pruned" in message
+    with pytest.raises(HeadlabError) as caught:
+        with capture_attention(model):
+            _forward(model, probe)
+    message = str(caught.value)
+    assert message.startswith("dec_self layer 0: ") and "batch row 2, queries 0-1: padding" in message
+    assert "MptAttention" in message and "Load the model in float32" in message
+    assert "overflow" not in message
+    float32 = _float64_mpt().float()  # the remedy named works: finite, and the pruning is checked and kept
+    assert _forward(float32, probe)[real].isfinite().all()
+    prune_heads(float32, {("dec_self", 0): [1]})
+    assert [block.n_heads for block in attention_blocks(float32)] == [3, 4]

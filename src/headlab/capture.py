@@ -321,7 +321,7 @@ def capture_attention(
                 # A NaN weight poisons every sum it enters (0 * NaN): refused, never a statistic of NaN,
                 # and the hook runs in forward order, so this is the block where the NaN starts.
                 raise HeadlabError(f"{block.kind} layer {block.layer}: " + nonfinite_probs_cause(
-                    probs, _attention_mask(module, args, kwargs)))
+                    probs, _attention_mask(module, args, kwargs), SELF_FILLED_MASKS.get(type(module).__name__)))
             record.calls[block.key] = record.calls.get(block.key, 0) + 1
             if callback is not None:
                 callback(block, probs)
@@ -440,14 +440,26 @@ def _where(bad: torch.Tensor) -> str:
     return text + (f"; {len(rows) - 3} more rows" if len(rows) > 3 else "")
 
 
-def nonfinite_probs_cause(probs: torch.Tensor, mask: Any) -> str:
+def nonfinite_probs_cause(probs: torch.Tensor, mask: Any, self_filled: str | None = None) -> str:
     """Why an attention block's weights ``probs`` [batch, heads, q, k] hold NaN or inf, read from the
     additive ``mask`` it was given: queries that may attend to no key (every mask entry -inf once in
-    float32, the precision transformers' eager softmax takes) and nothing else, or something else."""
+    float32, the precision transformers' eager softmax takes) and nothing else, or something else.
+    ``self_filled``: the block's entry in :data:`SELF_FILLED_MASKS` (its ``mask`` boolean, True masked)."""
     bad = (~probs.isfinite()).any(-1).any(1)
     where = _where(bad)
     blind = None
-    if isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4:
+    if self_filled and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4:
+        masked = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]]
+        try:
+            blind = torch.broadcast_to(masked.all(-1).any(1), bad.shape)
+        except RuntimeError:
+            blind = None
+        if blind is not None and not bool((bad & ~blind).any()) and probs.dtype == torch.float64:
+            return (f"transformers' own attention gives this model NaN weights for queries that may attend to no key "
+                    f"({where}: padding), with no head changed: {self_filled}, and a row of -inf is NaN, which a later "
+                    "layer's real rows read wherever they may attend to it (left padding). Load the model in float32, "
+                    "where it is finite, or use one sentence per batch (batch size 1)")
+    elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4:
         # the float32 softmax sees the mask in float32: float64's lowest value is -inf there
         low = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]].to(torch.float32)
         try:
@@ -499,6 +511,17 @@ def float32_mask_floor(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         handles.remove()
+
+
+SELF_FILLED_MASKS = {
+    # transformers 5.24, models/mpt/modeling_mpt.py: attention_scores.masked_fill(attention_mask,
+    # torch.finfo(query_states.dtype).min), then softmax(attention_scores.float()); its mask is boolean, True masked
+    "MptAttention": "MPT's attention (MptAttention) fills its masked scores with float64's lowest value itself, from a "
+                    "boolean mask, and takes its softmax in float32, where that value is -inf",
+}
+"""Attention classes that fill masked scores themselves, from a boolean mask (True: masked), with the lowest value of the
+model's precision and take their softmax in float32: in float64 a query that may attend to no key gets NaN, and
+:func:`float32_mask_floor`, which floors the additive masks handed to attention, does not reach it."""
 
 
 def _model_type(block: AttentionBlock) -> str | None:

@@ -489,7 +489,7 @@ def own_nan_cause(model: nn.Module, probe: dict) -> str | None:
     with float32_mask_floor(model):
         floored = run_probe(model, probe)
     if not_finite(floored) is not None:
-        return None
+        return _self_filled_cause(model)
     remedies = ["load it in float32 (its mask stays finite there)"]
     if getattr(model.config, "_attn_implementation", None) == "eager":
         try:
@@ -503,3 +503,20 @@ def own_nan_cause(model: nn.Module, probe: dict) -> str | None:
             "transformers' eager attention, so a padding query that may attend to no key gets NaN and the next "
             "layer's real rows read it (with the mask floored at float32's lowest value the probe is finite); "
             + ", or ".join(remedies))
+
+
+
+def _self_filled_cause(model: nn.Module) -> str | None:
+    """:func:`own_nan_cause` for a float64 model of :data:`headlab.capture.SELF_FILLED_MASKS`, whose NaN the floor
+    does not remove."""
+    if next((p.dtype for p in model.parameters() if p.is_floating_point()), None) != torch.float64:
+        return None
+    from headlab.capture import SELF_FILLED_MASKS
+
+    found = next((SELF_FILLED_MASKS[type(m).__name__] for m in model.modules() if type(m).__name__ in SELF_FILLED_MASKS),
+                 None)
+    if found is None:
+        return None
+    return (f"{found}: a query padded on the left may attend to no key and gets NaN, which the next layer's real rows "
+            "read (headlab cannot floor a mask the attention fills itself); load it in float32, where it is finite")
+
