@@ -944,8 +944,12 @@ def _dev_table(rows: list[dict], kind: str | None) -> list[str]:
                 cells.append("")
                 continue
             heads = record["heads_open"].get(kind) if kind else sum(record["heads_open"].values())
-            cells.append(f"{record['bleu']:.2f} ({heads})")
+            tied = " †" if record.get("tied_at_cut") else ""
+            cells.append(f"{record['bleu']:.2f} ({heads}){tied}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if any(record.get("tied_at_cut") for row in curves for record in row["dev"]["curve"]):
+        lines += ["", "† the budget's cut fell among gates of equal log alpha (every gate before the first update), so "
+                      "position, not the gates, chose which of those heads were evaluated."]
     return lines
 
 

@@ -47,6 +47,24 @@ def test_dev_curve_every_n_updates_with_its_plateau_and_resume(corpus, tokenizer
     assert plateau(same[:1], out, list(dev.targets)) is None
 
 
+def test_a_budget_runs_tied_step_0_point_is_marked_as_chosen_by_position(corpus, tokenizer, tmp_path):
+    """Before the first update every gate is tied, so a budget's step-0 point evaluates the first heads by position:
+    its record and log say so (before session 45 nothing did, and its BLEU read as the gates' choice)."""
+    out, lines = tmp_path / "r", []
+    options = config(out, epochs=1, lam=0.0, keep=12, dev_every=4, log_every=0)
+    result = prune_train(marian(tokenizer), tokenizer, corpus.subset(40), None, options, dev_data=corpus.subset(4),
+                         log=lines.append)
+    curve = read_dev_curve(out)
+    assert curve[0]["step"] == 0 and curve[0]["tied_at_cut"] == {"tied": 24, "kept": 12}
+    assert any(line.startswith("step 0: dev BLEU") and "12 of those heads kept by position" in line for line in lines)
+    # Adam's first updates move every gate by about +-lr, so after 3 of them the cut still falls among equal
+    # values: the export says so too, in its record and as a warning
+    saved = json.loads((out / "result.json").read_text())
+    assert curve[-1]["step"] == result.step == 3 and saved["tied_at_cut"] == curve[-1]["tied_at_cut"]
+    assert 12 < saved["tied_at_cut"]["tied"] < 24
+    assert any(line.startswith("warning: the budget's cut falls among") for line in lines)
+
+
 def test_cli_dev_options_and_stale_points(model_dir, tmp_path, capsys):
     base = ["prune", "sweep", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
             "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "test_2016_flickr.en.gz"),

@@ -124,6 +124,27 @@ def test_a_budget_opens_its_top_heads_at_test_time():
     assert gates.gate(("enc_self", 0)).shape == (3,)  # training: a sample, whatever the budget
 
 
+def test_a_budget_says_when_its_cut_falls_among_tied_gates():
+    """Every gate starts at the same log alpha, so a budget's heads before the first update are the first by position:
+    budget_tie says so (the step-0 development point and an export record it), and is None once the gates decide."""
+    gates = HardConcreteGates({("enc_self", 0): 3, ("dec_self", 0): 2}, keep=3)
+    assert gates.budget_tie() == {"tied": 5, "kept": 3}  # at initialisation
+    with torch.no_grad():
+        gates.log_alpha["enc_self_0"].copy_(torch.tensor([5.0, 1.0, 1.0]))
+        gates.log_alpha["dec_self_0"].copy_(torch.tensor([1.0, 4.0]))
+    assert gates.budget_tie() == {"tied": 3, "kept": 1}  # the third place: one of three heads at 1.0
+    gates.log_alpha["dec_self_0"].data[0] = 0.5
+    assert gates.budget_tie() == {"tied": 2, "kept": 1}
+    gates.log_alpha["enc_self_0"].data[2] = 0.9
+    assert gates.budget_tie() is None  # the gates decide every place
+    assert gates.keep_top(3) == {("enc_self", 0): [2], ("dec_self", 0): [0]}
+    gates.log_alpha["enc_self_0"].data[2] = 1.0
+    gates.keep = 5  # every head kept, or (below) none: no cut to fall anywhere
+    assert gates.budget_tie() is None
+    gates.keep = None  # footnote 7's rule: no budget
+    assert gates.budget_tie() is None
+
+
 def test_bad_parameters_are_refused():
     with pytest.raises(HeadlabError, match="beta"):
         HardConcreteGates({("enc_self", 0): 2}, beta=0)

@@ -565,7 +565,11 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
                           "call": "rising", "tolerance": 0.5}}
     point("lam-0", 4, 30.5, dev=rising)
     point("lam-0.01", 2, 29.9, lam=0.01)
-    point("keep-1", 1, 29.95, keep=1)
+    tied = {"n_sentences": 50, "curve": [{"step": 0, "bleu": 28.0, "heads_open": {**total, "enc_self": 1},
+                                          "tied_at_cut": {"tied": 4, "kept": 1}},
+                                         {"step": 10, "bleu": 29.0, "heads_open": {**total, "enc_self": 1}}],
+            "plateau": None}
+    point("keep-1", 1, 29.95, keep=1, dev=tied)
     point("lam-0.05", 1, 10.0, lam=0.05, weights="b")  # another model's point
     claim = {c.key: c for c in compute_claims({"m": ModelResults(tmp_path / "m", "m")})}["sec6.2"]
     cells = {check.label.split(" (")[0]: check.cells["m"] for check in claim.checks}
@@ -578,7 +582,9 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
     assert "2 heads (lambda 0.01): -0.60 (no interval)" in cells["the fixed-lambda points against the lambda = 0 control"].value
     details = "\n".join(claim.details["m"])
     assert "| keep-1 | budget 1 (Lagrangian) |" in details and "Not used: lam-0.05" in details
-    assert "| updates | lam-0 |" in details and "| 10 | 30.50 (4) |" in details
+    assert "| updates | lam-0 | keep-1 |" in details and "| 10 | 30.50 (4) | 29.00 (1) |" in details
+    # a budget's step-0 point, its heads chosen by position among tied gates, is marked so
+    assert "| 0 | 29.00 (4) | 28.00 (1) † |" in details and "† the budget's cut fell among gates of equal" in details
 
 
 def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):

@@ -10,7 +10,9 @@ reported on.
 Files in the point's directory (the layout of :mod:`headlab.pruning.train`)::
 
     dev_curve.jsonl        one record per evaluation: step, BLEU with its 95% bootstrap interval
-                           over the development sentences, chrF, heads open per kind (appended, fsync'ed)
+                           over the development sentences, chrF, heads open per kind (appended, fsync'ed);
+                           ``tied_at_cut`` where a budget's cut fell among gates of equal log alpha
+                           (HardConcreteGates.budget_tie: every gate at a budget run's step 0)
     dev/step-NNNNNN.txt    the greedy translations of that evaluation (for paired comparisons)
 
 A resumed run appends; a step evaluated twice (after a kill) keeps its newer record. At the end,
@@ -30,7 +32,7 @@ from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import bleu_interval, compute_scores, paired_bootstrap
 from headlab.resume import append_record, read_step_records
 
-__all__ = ["DEV_CURVE_FILE", "DEV_DIR", "DevCurve", "read_dev_curve", "plateau", "FLAT_BLEU"]
+__all__ = ["DEV_CURVE_FILE", "DEV_DIR", "DevCurve", "read_dev_curve", "plateau", "FLAT_BLEU", "tie_note"]
 
 DEV_CURVE_FILE = "dev_curve.jsonl"
 DEV_DIR = "dev"
@@ -46,6 +48,12 @@ def read_dev_curve(path: str | os.PathLike) -> list[dict]:
     return read_step_records(path)
 
 
+def tie_note(tie: dict) -> str:
+    """What a record's ``tied_at_cut`` means, in words."""
+    return (f"the budget's cut falls among {tie['tied']} gates of equal log alpha: {tie['kept']} of those heads kept by "
+            "position, not by the gates")
+
+
 def _hypotheses_file(out_dir: Path, step: int) -> Path:
     return out_dir / DEV_DIR / f"step-{step:06d}.txt"
 
@@ -55,9 +63,11 @@ class DevCurve:
     whose test-time gate is open, per kind."""
 
     def __init__(self, data, out_dir: str | os.PathLike, every: int, *, tokenizer, open_heads: Callable[[], dict],
-                 batch_size: int = 64, log: Callable[[str], None] = print):
+                 batch_size: int = 64, log: Callable[[str], None] = print,
+                 budget_tie: Callable[[], dict | None] = lambda: None):
         self.data, self.out_dir, self.every = data, Path(out_dir), every
         self.tokenizer, self.open_heads, self.batch_size, self.log = tokenizer, open_heads, batch_size, log
+        self.budget_tie = budget_tie
         self.path = self.out_dir / DEV_CURVE_FILE
 
     def done(self, step: int) -> bool:
@@ -74,9 +84,12 @@ class DevCurve:
         atomic_write_text(_hypotheses_file(self.out_dir, step), "".join(h.replace("\n", " ") + "\n" for h in hypotheses))
         record = {"step": step, "bleu": scores.bleu, "low": low, "high": high, "chrf": scores.chrf, "beam": 1,
                   "n_sentences": len(references), "heads_open": self.open_heads()}
+        tie = self.budget_tie()
+        if tie is not None:  # the heads evaluated were chosen by position among tied gates, not by the gates
+            record["tied_at_cut"] = tie
         append_record(self.path, record)
         self.log(f"step {step}: dev BLEU {scores.bleu:.2f} [{low:.2f}, {high:.2f}] "
-                 f"(greedy, {counted(len(references), 'sentence')})")
+                 f"(greedy, {counted(len(references), 'sentence')})" + (f"; {tie_note(tie)}" if tie else ""))
         return record
 
     def callback(self, model, step: int, info: dict) -> None:

@@ -350,6 +350,27 @@ class HardConcreteGates(HeadGates):
                 spec[key] = closed
         return spec
 
+    def _ranked(self) -> list[tuple[float, BlockKey, int]]:
+        """(log_alpha, block, head) of every gate of its own, highest first, ties by position (:meth:`keep_top`)."""
+        ranked: list[tuple[float, BlockKey, int]] = []
+        for key in self.keys():
+            values = self.log_alpha[block_name(key)].detach().float().cpu().tolist()
+            ranked.extend((value, key, head) for head, value in enumerate(values))
+        ranked.sort(key=lambda item: (-item[0], KINDS.index(item[1][0]), item[1][1], item[2]))
+        return ranked
+
+    def budget_tie(self) -> dict[str, int] | None:
+        """Where the budget's cut (:meth:`keep_top` at ``keep``) falls among gates of equal log_alpha, so that
+        position, not the gates, chose which of them stay: ``{"tied": n, "kept": m}`` (m of the n kept); None
+        without a budget or a tie at the cut. Every gate is tied at initialisation: a budget run's step-0 point."""
+        if self.keep is None or not 0 < self.keep < self.n_gates():
+            return None
+        values = [value for value, _, _ in self._ranked()]
+        at_cut = values[self.keep - 1]
+        if values[self.keep] != at_cut:
+            return None
+        return {"tied": values.count(at_cut), "kept": values[:self.keep].count(at_cut)}
+
     def keep_top(self, keep: int) -> dict[BlockKey, list[int]]:
         """The heads to remove so that exactly ``keep`` heads remain: those with the highest
         log_alpha (equivalently the highest P(open)) stay. Used by the budget mode. ``keep`` counts
@@ -357,14 +378,9 @@ class HardConcreteGates(HeadGates):
         total = self.n_gates()
         if not 0 <= keep <= total:
             raise HeadlabError(f"cannot keep {counted(keep, 'head')}: the gates cover {counted(total, 'head')}")
-        ranked: list[tuple[float, BlockKey, int]] = []
-        for key in self.keys():
-            values = self.log_alpha[block_name(key)].detach().float().cpu().tolist()
-            ranked.extend((value, key, head) for head, value in enumerate(values))
-        # Highest first; ties broken by position so the result is deterministic.
-        ranked.sort(key=lambda item: (-item[0], KINDS.index(item[1][0]), item[1][1], item[2]))
+        # Highest first; ties broken by position so the result is deterministic (budget_tie says where it decided).
         spec: dict[BlockKey, list[int]] = {}
-        for _, key, head in ranked[keep:]:
+        for _, key, head in self._ranked()[keep:]:
             spec.setdefault(key, []).append(head)
         for key, owner in self.tied.items():
             if owner in spec:

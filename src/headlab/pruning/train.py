@@ -55,7 +55,7 @@ from headlab.model_description import output_layer, position_limit
 from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
-from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
+from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve, tie_note
 from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, pairs_fingerprint, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
@@ -659,7 +659,7 @@ def _dev_curve(model, tokenizer, dev_data, out_dir: Path, config: PruneConfig, g
     if dev_data is None:
         return None
     dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
-                   batch_size=config.eval_batch_size, log=log)
+                   batch_size=config.eval_batch_size, log=log, budget_tie=gates.budget_tie)
     if accelerator.is_main_process and not dev.done(0):
         dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
     return dev
@@ -725,6 +725,10 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
     # a budget point has no fixed lambda (its multipliers are learnt): null, as in the trajectory
     record.update(lam=config.lam if config.keep is None else None, keep=config.keep, gates=config.gates, command=config.command,
                   model_sha256=config.model_fingerprint or None)
+    tie = gates.budget_tie()
+    if tie is not None:  # the exported heads were chosen by position among tied gates: said, never silent
+        record["tied_at_cut"] = tie
+        log(f"warning: {tie_note(tie)}: the exported heads at the cut are arbitrary among them; train longer")
     if dev is not None:
         record["dev"] = dev.summary()
         flat = record["dev"]["plateau"]
