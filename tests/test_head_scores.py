@@ -150,3 +150,21 @@ def test_top_mask_reads_a_kind_given_as_a_string_whole():
                                                                                    ("enc_self", 1): [0]}
     with pytest.raises(HeadlabError, match="unknown attention kind 'enc'"):
         scores.top_mask(3, "enc")
+
+
+def test_a_cut_among_equal_scores_is_said_not_silent(caplog):
+    """top_mask keeps the best-scored heads, the order of kinds, layers and heads deciding between equal scores: where
+    the cut falls among them (float32 P(open) of closed gates, heads that score 0), position chose, and a warning
+    says so (session 45; before, silently)."""
+    scores = _scores()  # enc_self 0.1 0.5 nan / 0.2 0.2 0.6; dec_cross 1 1 1
+    assert scores.tie_at_cut(2, ("enc_self",)) is None and scores.tie_at_cut(3, ("enc_self",)) == {
+        "tied": 2, "kept": 1, "score": 0.2}
+    assert scores.tie_at_cut(2, ("dec_cross",)) == {"tied": 3, "kept": 2, "score": 1.0}
+    assert scores.tie_at_cut(3, ("dec_cross",)) is None and scores.tie_at_cut(0, ("dec_cross",)) is None
+    with caplog.at_level("WARNING", logger="headlab"):
+        assert scores.top_mask(2, ("enc_self",)) == {("enc_self", 0): [0], ("enc_self", 1): [0, 1]}
+        assert not caplog.records
+        assert scores.top_mask(3, ("enc_self",)) == {("enc_self", 0): [0], ("enc_self", 1): [1]}
+    message = caplog.records[-1].getMessage()
+    assert message == ("confidence scores: keeping 3 heads, the cut falls among 2 heads of equal score (0.2): 1 of "
+                       "them kept by position (the order of kinds, layers and heads), not by their scores")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
 import math
 import numbers
 import operator
@@ -477,10 +478,27 @@ class HeadScores:
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):
             raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(ranked)} are scored in {', '.join(kinds)}")
+        tie = self.tie_at_cut(keep, kinds)
+        if tie is not None:  # position, not the scores, chose among them: said, never silent
+            logging.getLogger(__name__).warning(
+                "%s scores: keeping %s, the cut falls among %d heads of equal score (%s): %d of them kept by position "
+                "(the order of kinds, layers and heads), not by their scores", self.method, counted(keep, "head"),
+                tie["tied"], number(tie["score"], ".6g"), tie["kept"])
         removed: dict[tuple[str, int], list[int]] = {}
         for kind, layer, head in ranked[keep:]:
             removed.setdefault((kind, layer), []).append(head)
         return {block: sorted(heads) for block, heads in sorted(removed.items())}
+
+    def tie_at_cut(self, keep: int, kinds: tuple[str, ...] | None = None) -> dict | None:
+        """Where :meth:`top_mask`'s cut at ``keep`` falls among heads of equal score, so that their order (stable:
+        kind, layer, head) chose which stay: ``{"tied": n, "kept": m, "score": s}``; None where the scores decide."""
+        kinds = kinds or self.kinds
+        values = [value for key, value in sorted(self.items(), key=lambda item: item[1], reverse=True)
+                  if key[0] in kinds]
+        if not 0 < keep < len(values) or values[keep] != values[keep - 1]:
+            return None
+        at_cut = values[keep - 1]
+        return {"tied": values.count(at_cut), "kept": values[:keep].count(at_cut), "score": at_cut}
 
     # -- files -----------------------------------------------------------------------------
     def to_json(self) -> dict:
