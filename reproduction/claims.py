@@ -924,6 +924,13 @@ def _control_cells(r: ModelResults, sweep: str, rows: list[dict], reference: flo
             Cell(listing or "no fixed-lambda point"), versus)
 
 
+def _tied_at_cut(row: dict, record: dict) -> bool:
+    """Whether a development point's heads were chosen by position among tied gates: its record says so
+    (``tied_at_cut``, from session 45), or it is a budget point's step 0, where every gate has the same initial log
+    alpha (the records written before say nothing)."""
+    return bool(record.get("tied_at_cut")) or (record["step"] == 0 and row.get("keep") is not None)
+
+
 def _dev_table(rows: list[dict], kind: str | None) -> list[str]:
     """Development BLEU (greedy) at each evaluated update, per point with a curve; in brackets the
     heads whose test-time gate is open (``kind``, or all gated kinds)."""
@@ -944,10 +951,9 @@ def _dev_table(rows: list[dict], kind: str | None) -> list[str]:
                 cells.append("")
                 continue
             heads = record["heads_open"].get(kind) if kind else sum(record["heads_open"].values())
-            tied = " †" if record.get("tied_at_cut") else ""
-            cells.append(f"{record['bleu']:.2f} ({heads}){tied}")
+            cells.append(f"{record['bleu']:.2f} ({heads}){' †' if _tied_at_cut(row, record) else ''}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    if any(record.get("tied_at_cut") for row in curves for record in row["dev"]["curve"]):
+    if any(_tied_at_cut(row, record) for row in curves for record in row["dev"]["curve"]):
         lines += ["", "† the budget's cut fell among gates of equal log alpha (every gate before the first update), so "
                       "position, not the gates, chose which of those heads were evaluated."]
     return lines

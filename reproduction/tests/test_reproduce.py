@@ -565,8 +565,11 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
                           "call": "rising", "tolerance": 0.5}}
     point("lam-0", 4, 30.5, dev=rising)
     point("lam-0.01", 2, 29.9, lam=0.01)
-    tied = {"n_sentences": 50, "curve": [{"step": 0, "bleu": 28.0, "heads_open": {**total, "enc_self": 1},
-                                          "tied_at_cut": {"tied": 4, "kept": 1}},
+    # a budget point's step 0 is tied by construction (every gate starts equal), said or not (a record written before
+    # session 45 says nothing); a later record only where it says so
+    tied = {"n_sentences": 50, "curve": [{"step": 0, "bleu": 28.0, "heads_open": {**total, "enc_self": 1}},
+                                         {"step": 5, "bleu": 28.5, "heads_open": {**total, "enc_self": 1},
+                                          "tied_at_cut": {"tied": 3, "kept": 1}},
                                          {"step": 10, "bleu": 29.0, "heads_open": {**total, "enc_self": 1}}],
             "plateau": None}
     point("keep-1", 1, 29.95, keep=1, dev=tied)
@@ -585,6 +588,7 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
     assert "| updates | lam-0 | keep-1 |" in details and "| 10 | 30.50 (4) | 29.00 (1) |" in details
     # a budget's step-0 point, its heads chosen by position among tied gates, is marked so
     assert "| 0 | 29.00 (4) | 28.00 (1) † |" in details and "† the budget's cut fell among gates of equal" in details
+    assert "| 5 |  | 28.50 (1) † |" in details and "| 0 | 29.00 (4) |" in details  # the lambda = 0 control: no budget
 
 
 def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
