@@ -16,6 +16,7 @@ Every check is O(1) and touches nothing until dynamo has been imported (``import
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar, cast
 
 LOGGER = logging.getLogger("headlab.compiled")
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 _Context = TypeVar("_Context", bound=Callable[..., AbstractContextManager[Any]])
 _warned = False  # the first discard is a WARNING (what and why), later ones are INFO
 
@@ -105,3 +107,24 @@ def uncompiled(model: Any) -> Any:
     while optimized is not None and isinstance(model, optimized):
         model = model._orig_mod
     return model
+
+
+def model_entry(function: _Function) -> _Function:
+    """Decorator of a public function with a ``model`` argument: torch.compile's wrapper there becomes the model it
+    wraps (:func:`uncompiled`: block names without ``_orig_mod.``, gates and masks on the modules the wrapper runs),
+    and the call runs eagerly (:func:`running_eagerly`). :func:`headlab.options.checked_keywords` applies it."""
+    parameters = inspect.signature(function).parameters
+    if "model" not in parameters:
+        return function
+    positional = parameters["model"].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    at = list(parameters).index("model") if positional else sys.maxsize
+
+    @functools.wraps(function)
+    def entry(*args: Any, **keywords: Any) -> Any:
+        if at < len(args):
+            args = (*args[:at], uncompiled(args[at]), *args[at + 1:])
+        elif "model" in keywords:
+            keywords["model"] = uncompiled(keywords["model"])
+        with running_eagerly():
+            return function(*args, **keywords)
+    return cast(_Function, entry)

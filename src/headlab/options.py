@@ -18,7 +18,7 @@ from dataclasses import MISSING, field, fields
 from numbers import Integral
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from headlab.compiled import running_eagerly, uncompiled
+from headlab.compiled import model_entry
 from headlab.errors import HeadlabError, UnknownOption
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -243,7 +243,7 @@ def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Call
     some of the work). ``options``: the names that ``**options`` takes, read at the call (their
     config is imported then, not with the API). The signature stays the function's
     (``functools.wraps``: ``inspect.signature`` and ``help`` show its parameters).
-    Also the one entry of a model compiled with ``torch.compile`` (:mod:`headlab.compiled`): the function's
+    Also the entry of a model compiled with ``torch.compile`` (:func:`headlab.compiled.model_entry`): the function's
     ``model`` argument, an ``OptimizedModule``, becomes the model it wraps, and the call runs eagerly."""
 
     def decorate(function: F) -> F:
@@ -251,7 +251,6 @@ def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Call
         if options is None and any(p.kind == p.VAR_KEYWORD for p in parameters):
             raise TypeError(f"{function.__qualname__} takes **keywords: give checked_keywords the names they take")
         named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        model_at = next((i for i, p in enumerate(parameters) if p.name == "model"), None)
 
         @functools.wraps(function)
         def checked(*args: Any, **keywords: Any) -> Any:
@@ -261,25 +260,12 @@ def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Call
                 unknown = [k for k in unknown if k not in known]
                 if unknown:
                     raise _unknown(function.__qualname__, unknown[0], known)
-            if model_at is not None:
-                args, keywords = _uncompiled_model(model_at, args, keywords)
-            with running_eagerly():
-                return function(*args, **keywords)
+            return entry(*args, **keywords)
 
+        entry = model_entry(function)
         return checked  # type: ignore[return-value]
 
     return decorate
-
-
-def _uncompiled_model(at: int, args: tuple, keywords: dict) -> tuple[tuple, dict]:
-    """The call's arguments with its ``model`` (position ``at`` or keyword) the model a ``torch.compile`` wrapper
-    wraps (:func:`headlab.compiled.uncompiled`): block names without ``_orig_mod.``, gates and masks on the modules the
-    wrapper runs."""
-    if at < len(args):
-        return (*args[:at], uncompiled(args[at]), *args[at + 1:]), keywords
-    if "model" in keywords:
-        return args, {**keywords, "model": uncompiled(keywords["model"])}
-    return args, keywords
 
 
 def _unknown(function: str, keyword: str, known: set[str]) -> UnknownOption:
