@@ -10,7 +10,10 @@ eagerly (:func:`running_eagerly`): nothing is compiled for them, so their own ho
 always seen. An ``OptimizedModule`` handed to headlab is replaced by the model it wraps (:func:`uncompiled`): the
 wrapper's ``_orig_mod``, whose modules the wrapper runs, so a mask or a pruning reaches both.
 
-Every check is O(1) and touches nothing until dynamo has been imported (``import torch`` does not import it).
+Every check is O(1): whether dynamo holds compiled code is one set's emptiness (:func:`compiled_code_exists`), so a
+process that never compiles never resets anything (transformers' modelling code imports dynamo, ``import torch``
+does not). A reset discards every compiled function of the process, not only the model's: the price of exactness,
+paid only where something was compiled since the last reset, and said once (logger ``headlab.compiled``).
 """
 
 from __future__ import annotations
