@@ -189,3 +189,27 @@ def test_without_compiled_code_nothing_is_discarded(dynamo, monkeypatch):
         _logits(model)
     headlab.prune_heads(model, MASK)
     assert dynamo.utils.counters["frames"]["total"] == frames
+
+
+def test_prune_training_of_the_wrapper_trains_its_model(corpus, tokenizer, tmp_path):
+    # old: AttributeError (the Hard Concrete gates went onto the wrapper)
+    from headlab.pruning.train import PruneConfig, prune_train
+    from headlab.training.config import TrainConfig
+    from support.nmt import tiny_marian
+
+    def trained(model, out):
+        train = TrainConfig(out_dir=str(out), max_tokens=400, lr=1e-3, warmup_steps=0, schedule="constant",
+                            max_epochs=1, validate=False, keep_epoch_checkpoints=False, progress=False, seed=3)
+        config = PruneConfig(gates="all", lam=1.0, log_every=5, eval_beam=1, gate_lr=0.1, train=train)
+        return prune_train(model, tokenizer, corpus.subset(40), None, config)
+
+    expected_model = tiny_marian(tokenizer)
+    expected = trained(expected_model, tmp_path / "eager")
+    model = tiny_marian(tokenizer)
+    wrapper = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        wrapper(**tokenizer(["a man"], return_tensors="pt"), decoder_input_ids=torch.tensor([[0, 5]]))
+    result = trained(wrapper, tmp_path / "compiled")
+    assert (result.stopped, result.step, result.heads_kept) == (expected.stopped, expected.step, expected.heads_kept)
+    for (name, parameter), (_, reference) in zip(model.named_parameters(), expected_model.named_parameters()):
+        torch.testing.assert_close(parameter, reference, rtol=0, atol=0, msg=name)
