@@ -24,7 +24,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options", "headlab.plugins", "headlab.numbers"),
+    ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options", "headlab.plugins", "headlab.numbers",
+     "headlab.compiled"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
     ("headlab.heads", "headlab.display", "headlab.markup", "headlab.resume", "headlab.preflight", "headlab.lock",
      "headlab.outdir", "headlab.shard", "headlab.stored_weights", "headlab.portable_code",

@@ -39,6 +39,7 @@ from headlab.adapters import (
 from headlab.adapters.eager_alibi import SWITCHED, alibi_once, refuse_alibi_twice
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
+from headlab.compiled import recompiling
 from headlab.errors import HeadlabError
 from headlab.options import checked_keywords
 
@@ -62,6 +63,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 
 @checked_keywords()
+@recompiling("switched the model to eager attention (eager_attention)")
 @contextmanager
 def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` with eager attention inside, the only path that returns probabilities.
@@ -270,6 +272,7 @@ def check_every_layer_runs(model: nn.Module, blocks: list[AttentionBlock], recor
 
 
 @checked_keywords()
+@recompiling("hooked attention to read its probabilities (capture_attention)")
 @contextmanager
 def capture_attention(
     model: nn.Module,
@@ -610,6 +613,7 @@ def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
         yield
 
 
+@recompiling("ran attention through headlab's function (stream_attention)")
 @contextmanager
 def stream_attention(
     model: nn.Module,
@@ -808,6 +812,7 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
 
 
 @checked_keywords()
+@recompiling("hooked heads' outputs (head_output_hooks)")
 @contextmanager
 def head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> Iterator[None]:
     """:func:`register_head_output_hooks` as a context manager."""

@@ -23,11 +23,13 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, refuse_mask_skip
 from headlab.adapters.eager_alibi import refuse_alibi_twice
 from headlab.capture import GATE_STACK, HookHandles, register_head_output_hooks
+from headlab.compiled import discard_compiled_code, running_eagerly, uncompiled
 from headlab.errors import HeadlabError, counted
 from headlab.heads import BlockKey, HeadSpec
 from headlab.options import checked_keywords
 
 GATES_ATTRIBUTE = "headlab_gates"
+_GATING = "attached or removed gates on heads' outputs (mask_heads, attach_gates, detach_gates)"
 _STACK = GATE_STACK  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
 _Gates = TypeVar("_Gates", bound="HeadGates")
 _Function = TypeVar("_Function", bound=Callable[..., Any])
@@ -236,6 +238,7 @@ class GateHandle:
         if stack is not None and not stack.sets:
             stack.unhook()
             del self.model.__dict__[_STACK]
+        discard_compiled_code(_GATING)  # compiled with the gates: it would keep them
         return gates
 
 
@@ -268,6 +271,7 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     except BaseException:
         handle.remove()
         raise
+    discard_compiled_code(_GATING)  # compiled without the gates: it would not see them
     return handle
 
 
@@ -321,7 +325,8 @@ def measuring(model: nn.Module, what: str, instead: str = "") -> Iterator[None]:
     refuse_gated(model, what, instead)
     model.__dict__[_MEASURING] = model.__dict__.get(_MEASURING, 0) + 1
     try:
-        yield
+        with running_eagerly():  # its hooks come and go: compiled code would not see them (headlab.compiled)
+            yield
     finally:
         left = model.__dict__.pop(_MEASURING) - 1
         if left:
@@ -333,6 +338,7 @@ def measures_heads(what: str, instead: str = "") -> Callable[[_Function], _Funct
     def wrap(function: _Function) -> _Function:
         @functools.wraps(function)
         def measured(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            model = uncompiled(model)  # torch.compile's wrapper: its model (headlab.compiled)
             with measuring(model, what, instead):
                 return function(model, *args, **kwargs)
         return cast(_Function, measured)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks, config_value, text_config
+from headlab.compiled import model_entry
 from headlab.portable import CLASS_NAME
 
 __all__ = [
@@ -127,6 +128,7 @@ def checkpoint_has_lm_head(config, model_class: type | None = None) -> bool:
     return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
 
 
+@model_entry  # torch.compile's wrapper: its model, run eagerly (headlab.compiled)
 def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:
     """Read architecture, special tokens and length limit from ``model`` (and ``tokenizer``)."""
     from headlab.loading import check_tokenizer_fits

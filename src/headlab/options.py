@@ -18,6 +18,7 @@ from dataclasses import MISSING, field, fields
 from numbers import Integral
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
+from headlab.compiled import model_entry
 from headlab.errors import HeadlabError, UnknownOption
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -241,7 +242,9 @@ def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Call
     alternative; a keyword passed on through ``**options`` failed in a config's ``__init__``, after
     some of the work). ``options``: the names that ``**options`` takes, read at the call (their
     config is imported then, not with the API). The signature stays the function's
-    (``functools.wraps``: ``inspect.signature`` and ``help`` show its parameters)."""
+    (``functools.wraps``: ``inspect.signature`` and ``help`` show its parameters).
+    Also the entry of a model compiled with ``torch.compile`` (:func:`headlab.compiled.model_entry`): the function's
+    ``model`` argument, an ``OptimizedModule``, becomes the model it wraps, and the call runs eagerly."""
 
     def decorate(function: F) -> F:
         parameters = inspect.signature(function).parameters.values()
@@ -257,8 +260,9 @@ def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Call
                 unknown = [k for k in unknown if k not in known]
                 if unknown:
                     raise _unknown(function.__qualname__, unknown[0], known)
-            return function(*args, **keywords)
+            return entry(*args, **keywords)
 
+        entry = model_entry(function)
         return checked  # type: ignore[return-value]
 
     return decorate

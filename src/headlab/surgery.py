@@ -58,6 +58,7 @@ from headlab.adapters.families import (
     rows_per_head,
     unpruned_latent_reason,
 )
+from headlab.compiled import discard_compiled_code
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
@@ -1061,7 +1062,10 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
                 "sharing) is not supported: a layer with no head left would store none; keep at least one head")
         _check_shared_kv_kept(blocks, block, keep)
         plans.append((block, keep, *_kv_plan(block, keep)))
-    blocks = _prune_checked(model, plans, spec)
+    try:
+        blocks = _prune_checked(model, plans, spec)
+    finally:  # smaller weights and hooks of its own, which compiled code would not see (headlab.compiled)
+        discard_compiled_code("pruned heads (prune_heads)")
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
 
 

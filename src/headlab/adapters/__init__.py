@@ -72,6 +72,7 @@ from headlab.adapters.families import (
     rows_per_head,
 )
 from headlab.adapters.upstream import warn_upstream_bugs
+from headlab.compiled import uncompiled
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 from headlab.portable_code import install_tie_rule
@@ -1071,8 +1072,10 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
 
     Encoder layers come first; in the decoder each layer's self-attention precedes its
     cross-attention. Raises :class:`HeadlabError` when the model has no attention this
-    adapter understands, or when what it found does not add up.
+    adapter understands, or when what it found does not add up. A ``torch.compile`` wrapper's blocks are its
+    model's (:func:`headlab.compiled.uncompiled`), named without ``_orig_mod.``.
     """
+    model = uncompiled(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     reason = unsupported_reason(model)

@@ -44,6 +44,7 @@ from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.attention import AttentionCall, AttentionChunk
 from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention, unregistrable
+from headlab.compiled import model_entry
 from headlab.data.alignment import (
     AlignmentError,
     AttentionView,
@@ -268,6 +269,7 @@ def _batched(iterator: Iterator, size: int) -> Iterator[list]:
 _END = object()
 
 
+@model_entry  # torch.compile's wrapper: its model, run eagerly (headlab.compiled)
 def analyze_heads(
     model,
     tokenizer,

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from headlab.compiled import uncompiled
 from headlab.data.inputs import ImportanceData
 from headlab.gates import mask_heads, measuring
 from headlab.heads import HeadScores, HeadSpec
@@ -120,6 +121,7 @@ class ImportanceMeasure:
         signature records (``options["mask"]``, as :func:`~headlab.importance.run_importance` writes it).
         A model with gates attached before the call (inside ``mask_heads``) is refused before any work
         (:func:`~headlab.gates.measuring`): the tables would be the gated model's, none of its heads blanked."""
+        model = uncompiled(model)  # torch.compile's wrapper: its model (headlab.compiled)
         with measuring(model, self.name, instead="give mask= (run's), whose heads the tables blank"):
             if not mask:
                 return self.score_tables(model, data, info, **options)

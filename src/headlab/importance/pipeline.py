@@ -21,6 +21,7 @@ from torch import nn
 
 from headlab._version import __version__
 from headlab.adapters import attention_blocks, idle_blocks
+from headlab.compiled import model_entry
 from headlab.data.inputs import ImportanceData, translate_data
 from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores, HeadSpec
@@ -60,6 +61,7 @@ class MeasuresFailed(RunFailed):
         self.result = result
 
 
+@model_entry  # torch.compile's wrapper: its model, run eagerly (headlab.compiled)
 def run_importance(
     model: nn.Module,
     data: ImportanceData,

@@ -141,6 +141,7 @@ from torch.overrides import TorchFunctionMode
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES, VALUE_EMBEDDINGS
 from headlab.capture import HookHandles
+from headlab.compiled import recompiling
 from headlab.errors import HeadlabError
 from headlab.importance import cca_rule, mixer_rules, shared_kv_rule
 from headlab.importance.head_map_rule import head_map_hooks, head_map_problem
@@ -2459,6 +2460,7 @@ def _register_gated_mlps(model: nn.Module, gated: list[tuple[nn.Module, nn.Modul
         handles.append(w2.register_forward_pre_hook(called.pre_down))
 
 
+@recompiling("switched on the LRP rules' hooks (lrp_rules)")
 @contextmanager
 def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -> Iterator[None]:
     """Switch on the modified backward pass that turns gradient x input into LRP relevance.

@@ -48,6 +48,7 @@ import torch
 
 from headlab.adapters import attention_blocks, idle_blocks
 from headlab.capture import eval_mode
+from headlab.compiled import model_entry
 from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text, write_json
@@ -487,6 +488,7 @@ def model_card(result: dict, config: PruneConfig, load_line: str = "Load with `h
 # ----------------------------------------------------------------------------- the run
 
 
+@model_entry  # torch.compile's wrapper: its model, run eagerly (headlab.compiled)
 def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfig | None = None, *,
                 dev_data=None, accelerator=None, log: Callable[[str], None] | None = None) -> PruneResult:
     """Gated fine-tuning of ``model`` into ``config.train.out_dir``'s parent layout (see module doc).
