@@ -165,6 +165,12 @@ def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
         headlab.prune(model, {("enc_self", 0): 1})
     with pytest.raises(HeadlabError, match="^prune: kinds= goes with HeadScores"):
         headlab.prune(model, "enc_self:0:1", kinds=["dec_self"])  # the kinds were ignored: enc_self's head went
+    # names separated by commas, as the command line takes them: one unknown name before (session 45)
+    assert headlab.api._names("confidence, ablation", "measures") == ("confidence", "ablation")
+    with pytest.raises(HeadlabError, match="unknown importance method 'ablaton'"):
+        headlab.importance(model, tokenizer, SENTENCES, measures="confidence,ablaton")
+    assert set(headlab.importance(model, tokenizer, SENTENCES[:2], measures="confidence,gradient").scores) >= {
+        "confidence", "gradient"}
     # one statistic as a string, as measures="lrp": it was read letter by letter ("unknown statistic 'f'")
     tables = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="aggregate",
                              attention_sentences=0).tables

@@ -206,10 +206,11 @@ def _kinds(model: nn.Module, kinds: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _names(value: Any, keyword: str) -> tuple:
-    """A name or a sequence of names (``measures``, ``statistics``) as a tuple; anything else (a
-    number) refused, not a TypeError from deep in the call."""
+    """A name, names separated by commas as the command line takes them (``"confidence,lrp"``; it was one unknown
+    name), or a sequence of names (``measures``, ``statistics``) as a tuple; anything else (a number) refused, not a
+    TypeError from deep in the call."""
     if isinstance(value, str):
-        return (value,)
+        return tuple(name.strip() for name in value.split(","))
     try:
         return tuple(value)
     except TypeError:
