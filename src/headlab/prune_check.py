@@ -505,7 +505,6 @@ def own_nan_cause(model: nn.Module, probe: dict) -> str | None:
             + ", or ".join(remedies))
 
 
-
 def _self_filled_cause(model: nn.Module) -> str | None:
     """:func:`own_nan_cause` for a float64 model of :data:`headlab.capture.SELF_FILLED_MASKS`, whose NaN the floor
     does not remove."""
@@ -519,4 +518,3 @@ def _self_filled_cause(model: nn.Module) -> str | None:
         return None
     return (f"{found}: a query padded on the left may attend to no key and gets NaN, which the next layer's real rows "
             "read (headlab cannot floor a mask the attention fills itself); load it in float32, where it is finite")
-
