@@ -450,25 +450,24 @@ def nonfinite_probs_cause(probs: torch.Tensor, mask: Any, self_filled: str | Non
     ``self_filled``: the block's entry in :data:`SELF_FILLED_MASKS` (its ``mask`` boolean, True masked)."""
     bad = (~probs.isfinite()).any(-1).any(1)
     where = _where(bad)
-    blind = None
+    masked = None  # [batch, heads or 1, queries, keys]: the keys each query may not attend to
     if self_filled and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4:
         masked = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]]
+    elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4:
+        # the float32 softmax sees the mask in float32: float64's lowest value is -inf there
+        masked = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]].to(torch.float32) == -torch.inf
+    blind = None
+    if masked is not None:
         try:
             blind = torch.broadcast_to(masked.all(-1).any(1), bad.shape)
         except RuntimeError:
             blind = None
-        if blind is not None and not bool((bad & ~blind).any()) and probs.dtype == torch.float64:
-            return (f"transformers' own attention gives this model NaN weights for queries that may attend to no key "
-                    f"({where}: padding), with no head changed: {self_filled}, and a row of -inf is NaN, which a later "
-                    "layer's real rows read wherever they may attend to it (left padding). Load the model in float32, "
-                    "where it is finite, or use one sentence per batch (batch size 1)")
-    elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4:
-        # the float32 softmax sees the mask in float32: float64's lowest value is -inf there
-        low = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]].to(torch.float32)
-        try:
-            blind = torch.broadcast_to((low == -torch.inf).all(-1).any(1), bad.shape)
-        except RuntimeError:
-            blind = None
+    if self_filled and blind is not None and mask.dtype == torch.bool and not bool((bad & ~blind).any()) \
+            and probs.dtype == torch.float64:
+        return (f"transformers' own attention gives this model NaN weights for queries that may attend to no key "
+                f"({where}: padding), with no head changed: {self_filled}, and a row of -inf is NaN, which a later "
+                "layer's real rows read wherever they may attend to it (left padding). Load the model in float32, "
+                "where it is finite, or use one sentence per batch (batch size 1)")
     if blind is None or bool((bad & ~blind).any()):
         return (f"the model's eager attention returned non-finite weights (NaN or inf) at {where}, queries that see "
                 "keys: the model computes them itself (NaN or overflow in its input to this block, or in its "

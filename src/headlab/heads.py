@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -356,6 +356,16 @@ def _index(value: Any, size: int, what: str) -> int:
     return index
 
 
+def cut_tie(values: Sequence[float], keep: int) -> dict | None:
+    """Where a cut keeping the first ``keep`` of ``values`` (sorted best first, ties in their given order) falls among
+    equal values, so that the order, not the values, chose which of them stay: ``{"tied": n, "kept": m, "score": s}``
+    (m of the n heads scoring s kept); None where the values decide (or nothing is cut)."""
+    if not 0 < keep < len(values) or values[keep] != values[keep - 1]:
+        return None
+    at_cut = values[keep - 1]
+    return {"tied": values.count(at_cut), "kept": values[:keep].count(at_cut), "score": at_cut}
+
+
 @dataclass(frozen=True)
 class HeadScores:
     """One score per head, per attention kind.
@@ -475,10 +485,11 @@ class HeadScores:
         kinds = ((kinds,) if isinstance(kinds, str) else tuple(kinds)) if kinds else self.kinds  # "enc" was e, n, c
         for kind in kinds:
             check_kind(kind)
-        ranked = [key for key in self.rank() if key[0] in kinds]
-        if not 0 <= keep <= len(ranked):
-            raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(ranked)} are scored in {', '.join(kinds)}")
-        tie = self.tie_at_cut(keep, kinds)
+        scored = self._ranked_items(kinds)
+        if not 0 <= keep <= len(scored):
+            raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(scored)} are scored in {', '.join(kinds)}")
+        ranked = [key for key, _ in scored]
+        tie = cut_tie([value for _, value in scored], keep)
         if tie is not None:  # position, not the scores, chose among them: said, never silent
             logging.getLogger(__name__).warning(
                 "%s scores: keeping %s, the cut falls among %d heads of equal score (%s): %d of them kept by position "
@@ -489,16 +500,15 @@ class HeadScores:
             removed.setdefault((kind, layer), []).append(head)
         return {block: sorted(heads) for block, heads in sorted(removed.items())}
 
+    def _ranked_items(self, kinds: tuple[str, ...]) -> list[tuple[tuple[str, int, int], float]]:
+        """The scored heads of ``kinds`` with their scores, best first (:meth:`rank`'s order: a stable sort)."""
+        return [item for item in sorted(self.items(), key=lambda item: item[1], reverse=True) if item[0][0] in kinds]
+
     def tie_at_cut(self, keep: int, kinds: tuple[str, ...] | None = None) -> dict | None:
         """Where :meth:`top_mask`'s cut at ``keep`` falls among heads of equal score, so that their order (stable:
-        kind, layer, head) chose which stay: ``{"tied": n, "kept": m, "score": s}``; None where the scores decide."""
-        kinds = kinds or self.kinds
-        values = [value for key, value in sorted(self.items(), key=lambda item: item[1], reverse=True)
-                  if key[0] in kinds]
-        if not 0 < keep < len(values) or values[keep] != values[keep - 1]:
-            return None
-        at_cut = values[keep - 1]
-        return {"tied": values.count(at_cut), "kept": values[:keep].count(at_cut), "score": at_cut}
+        kind, layer, head) chose which stay: :func:`cut_tie`'s ``{"tied": n, "kept": m, "score": s}``; None where the
+        scores decide."""
+        return cut_tie([value for _, value in self._ranked_items(kinds or self.kinds)], keep)
 
     # -- files -----------------------------------------------------------------------------
     def to_json(self) -> dict:

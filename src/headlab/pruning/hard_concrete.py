@@ -57,7 +57,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError, counted
 from headlab.gates import BlockKey, HeadGates, block_name
-from headlab.heads import KINDS, HeadScores
+from headlab.heads import KINDS, HeadScores, cut_tie
 from headlab.pruning.config import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA
 
 __all__ = ["HardConcreteGates", "gate_count", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
@@ -363,13 +363,10 @@ class HardConcreteGates(HeadGates):
         """Where the budget's cut (:meth:`keep_top` at ``keep``) falls among gates of equal log_alpha, so that
         position, not the gates, chose which of them stay: ``{"tied": n, "kept": m}`` (m of the n kept); None
         without a budget or a tie at the cut. Every gate is tied at initialisation: a budget run's step-0 point."""
-        if self.keep is None or not 0 < self.keep < self.n_gates():
+        if self.keep is None:
             return None
-        values = [value for value, _, _ in self._ranked()]
-        at_cut = values[self.keep - 1]
-        if values[self.keep] != at_cut:
-            return None
-        return {"tied": values.count(at_cut), "kept": values[:self.keep].count(at_cut)}
+        tie = cut_tie([value for value, _, _ in self._ranked()], self.keep)
+        return None if tie is None else {"tied": tie["tied"], "kept": tie["kept"]}
 
     def keep_top(self, keep: int) -> dict[BlockKey, list[int]]:
         """The heads to remove so that exactly ``keep`` heads remain: those with the highest
