@@ -12,7 +12,9 @@ be found, never a silent wrong one.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ from headlab.adapters.families import (
     CORE_CLASSES_REFUSED,
     DEPTH_MIXERS,
     FAMILIES,
+    FLEX_REFUSED,
     FUSED_ATTENTION_CLASSES,
     HEAD_COUNT_HOLDERS,
     HEAD_MAPS,
@@ -81,7 +84,8 @@ require_transformers()  # before any model is read: a transformers out of headla
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
-           "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip"]
+           "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip",
+           "refuse_broken_flex"]
 
 
 @dataclass(frozen=True)
@@ -818,6 +822,37 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
             f"{implementation} skips that mask on a batch without padding, so the model would attend bidirectionally "
             "over such a batch and causally over a padded one, two models in one run: load it with "
             "attn_implementation='eager' (headlab's load_model does for this model type)")
+
+
+def _broken_flex(config: Any) -> str | None:
+    """What goes wrong with ``config``'s attention under flex attention (:data:`FLEX_REFUSED`), or None: not such a
+    model type, not flex, or a transformers whose code no longer does it."""
+    found = FLEX_REFUSED.get(getattr(config, "model_type", None) or "")
+    if found is None or getattr(config, "_attn_implementation", None) != "flex_attention":
+        return None
+    what, marker = found
+    modules = (f"transformers.models.{config.model_type}.modeling_{config.model_type}",
+               "transformers.integrations.flex_attention")
+    for module in (sys.modules.get(name) for name in modules):
+        try:
+            if module is not None and marker in inspect.getsource(module):
+                return what
+        except (OSError, TypeError):
+            continue
+    return None
+
+
+def refuse_broken_flex(model: nn.Module, what: str) -> None:
+    """Refuse to measure ``what``, before any work, on a model loaded with ``attn_implementation="flex_attention"``
+    that transformers runs wrongly there (:data:`~headlab.adapters.families.FLEX_REFUSED`: Doge's is not causal, T5's
+    fails on batches). Called where measurements start, beside :func:`refuse_mask_skip`."""
+    for config in attention_configs(model):
+        if (wrong := _broken_flex(config)) is not None:
+            raise HeadlabError(
+                f"{what}: {type(model).__name__} (model_type {config.model_type!r}) loaded with "
+                f"attn_implementation='flex_attention': in this transformers version {wrong}; headlab reads its "
+                "attention in eager mode, which would not be this model's: load it with attn_implementation='sdpa' "
+                "(the default)")
 
 
 def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:
