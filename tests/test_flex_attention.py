@@ -202,3 +202,31 @@ def test_a_model_transformers_runs_wrongly_under_flex_is_refused(build, wrong):
     with capture_attention(sdpa) as record:
         fm.logits(sdpa, inputs)
     assert record
+
+
+def test_what_differentiates_the_models_flex_forward_is_refused_on_a_cpu(tmp_path):
+    """torch's FlexAttention has no backward pass on a CPU: gradient importance (the measure, compute_gradient) and
+    gated training refuse a flex model there before any work, naming SDPA; the other measures run. Before session
+    46: importance ran confidence first, then failed in gradient with torch's NotImplementedError (MeasuresFailed);
+    prune_train wrote its output directory first."""
+    import headlab
+    from headlab.data.inputs import texts_data
+    from headlab.importance.gradient import compute_gradient
+    from headlab.model_description import describe_model
+    from headlab.pruning import PruneConfig, prune_train
+    from headlab.training.config import TrainConfig
+
+    model, tokenizer = _build("llama")(), word_tokenizer()
+    with pytest.raises(NotImplementedError, match="backward on CPU"):  # the premise: torch's own refusal
+        model(**fm.tiny_inputs()).logits.sum().backward()
+    texts = ["the cat sat", "a dog ran"]
+    with pytest.raises(HeadlabError, match="cannot run gradient: .*no backward pass on a CPU.*'sdpa'"):
+        headlab.importance(model, tokenizer, texts, measures="confidence,gradient")
+    info = describe_model(model)
+    with pytest.raises(HeadlabError, match="gradient importance .*flex_attention"):
+        compute_gradient(model, texts_data(texts, tokenizer, info), info)
+    assert "confidence" in headlab.importance(model, tokenizer, texts, measures="confidence,ablation").scores
+    train = TrainConfig(out_dir=str(tmp_path / "r"), max_tokens=400, progress=False)
+    with pytest.raises(HeadlabError, match="gated training .*no backward pass on a CPU"):
+        prune_train(model, tokenizer, [], None, PruneConfig(gates="all", lam=0.0, loss="causal_lm", train=train))
+    assert not (tmp_path / "r").exists()

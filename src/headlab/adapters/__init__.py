@@ -85,7 +85,7 @@ require_transformers()  # before any model is read: a transformers out of headla
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
            "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip",
-           "refuse_broken_flex"]
+           "refuse_broken_flex", "flex_without_backward"]
 
 
 @dataclass(frozen=True)
@@ -853,6 +853,33 @@ def refuse_broken_flex(model: nn.Module, what: str) -> None:
                 f"attn_implementation='flex_attention': in this transformers version {wrong}; headlab reads its "
                 "attention in eager mode, which would not be this model's: load it with attn_implementation='sdpa' "
                 "(the default)")
+
+
+def flex_without_backward(model: nn.Module, device: torch.device | None = None) -> str | None:
+    """Why ``model``'s attention has no backward pass on ``device`` (default: where its parameters are), or None:
+    loaded with ``attn_implementation="flex_attention"`` and on a CPU, where torch's FlexAttention raises
+    NotImplementedError for a backward pass (torch 2.13, ``flex_attention._validate_device``: its source's test, so a
+    torch that adds one is not refused). For the callers that differentiate the model's own forward (gradient
+    importance, gated training), before any work."""
+    if not any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model)):
+        return None
+    parameter = next(model.parameters(), None)
+    device = device if device is not None else parameter.device if parameter is not None else None
+    if device is None or torch.device(device).type != "cpu" or not _flex_refuses_cpu_backward():
+        return None
+    return (f"{type(model).__name__} was loaded with attn_implementation='flex_attention', and torch's FlexAttention "
+            "has no backward pass on a CPU (NotImplementedError in flex_attention's device check): load it with "
+            "attn_implementation='sdpa' (the default), or run it on a GPU")
+
+
+def _flex_refuses_cpu_backward() -> bool:
+    """Whether this torch's FlexAttention refuses a backward pass on a CPU (read off its device check)."""
+    try:
+        from torch.nn.attention import flex_attention
+
+        return "backward on CPU" in inspect.getsource(flex_attention._validate_device)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
 
 
 def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:
