@@ -230,3 +230,21 @@ def test_what_differentiates_the_models_flex_forward_is_refused_on_a_cpu(tmp_pat
     with pytest.raises(HeadlabError, match="gated training .*no backward pass on a CPU"):
         prune_train(model, tokenizer, [], None, PruneConfig(gates="all", lam=0.0, loss="causal_lm", train=train))
     assert not (tmp_path / "r").exists()
+
+
+def test_learned_sinks_under_flex_on_a_cpu_are_refused():
+    """transformers runs flex attention with learned sinks only off a CPU (a ValueError in the model's own forward):
+    capture and every measurement refuse GPT-OSS so loaded before any work, naming eager; before session 46 capture
+    read it (in eager mode) while the model's own forward, which ablation runs, fails."""
+    config = tf.GptOssConfig(vocab_size=fm.VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                             num_experts_per_tok=2, max_position_embeddings=64)
+    model = fm.perturbed_model(tf.GptOssForCausalLM, config, attn_implementation=FLEX)
+    with pytest.raises(ValueError, match="Attention sinks cannot be run on CPU"):  # the premise
+        fm.logits(model, fm.tiny_inputs())
+    with pytest.raises(HeadlabError, match="learned attention sinks .*flex_attention.*attn_implementation='eager'"):
+        with capture_attention(model):
+            pass
+    with pytest.raises(HeadlabError, match="importance: .*learned attention sinks"):
+        with measuring(model, "importance"):
+            pass

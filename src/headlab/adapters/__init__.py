@@ -845,7 +845,8 @@ def _broken_flex(config: Any) -> str | None:
 def refuse_broken_flex(model: nn.Module, what: str) -> None:
     """Refuse to measure ``what``, before any work, on a model loaded with ``attn_implementation="flex_attention"``
     that transformers runs wrongly there (:data:`~headlab.adapters.families.FLEX_REFUSED`: Doge's is not causal, T5's
-    fails on batches). Called where measurements start, beside :func:`refuse_mask_skip`."""
+    fails on batches), or whose forward cannot run where it is (:func:`_flex_sinks_on_cpu`). Called where
+    measurements start, beside :func:`refuse_mask_skip`."""
     for config in attention_configs(model):
         if (wrong := _broken_flex(config)) is not None:
             raise HeadlabError(
@@ -853,6 +854,30 @@ def refuse_broken_flex(model: nn.Module, what: str) -> None:
                 f"attn_implementation='flex_attention': in this transformers version {wrong}; headlab reads its "
                 "attention in eager mode, which would not be this model's: load it with attn_implementation='sdpa' "
                 "(the default)")
+    if _flex_sinks_on_cpu(model):
+        raise HeadlabError(
+            f"{what}: {type(model).__name__} has learned attention sinks and was loaded with attn_implementation="
+            "'flex_attention', whose forward transformers runs only off a CPU (flex_attention_forward: 'Attention "
+            "sinks cannot be run on CPU with flex attention'): every measure that runs the model's own forward would "
+            "fail part-way; load it with attn_implementation='eager', or run it on a GPU")
+
+
+def _flex_sinks_on_cpu(model: nn.Module) -> bool:
+    """A model with learned attention sinks (:data:`~headlab.adapters.families.ATTENTION_SINKS`' ``sinks``), loaded
+    with flex attention and on a CPU, where transformers' ``flex_attention_forward`` raises a ValueError (5.24: it
+    asks flex for the log-sum-exp the sinks need only off a CPU; its source's test)."""
+    if not any(getattr(c, "_attn_implementation", None) == "flex_attention" for c in attention_configs(model)):
+        return False
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu":
+        return False
+    if not any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return False
+    module = sys.modules.get("transformers.integrations.flex_attention")
+    try:
+        return module is not None and "Attention sinks cannot be run on CPU" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
 
 
 def flex_without_backward(model: nn.Module, device: torch.device | None = None) -> str | None:

@@ -408,7 +408,9 @@ transformers' attention functions for that head alone (transformers 5.24). Eager
 ``sinks.reshape(1, -1, 1, 1)`` is appended to each head's row of logits as one more softmax column, then dropped;
 Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits_h) - sinks[h])``
 (``sinks.view(1, -1, 1)``), the same extra softmax logit; flex attention: the output renormalised by
-``exp(lse - logsumexp([lse, sink]))`` with ``s_aux.view(1, -1, 1, 1)``; SDPA is not supported by these classes.
+``exp(lse - logsumexp([lse, sink]))`` with ``s_aux.view(1, -1, 1, 1)``, off a CPU only (on a CPU transformers raises,
+and headlab refuses such a model before any work: :func:`headlab.adapters.refuse_broken_flex`); SDPA is not supported
+by these classes.
 Head h's sink changes head h's output only, so masking a head (zeros at the output projection's input) leaves
 the others' exact and pruning keeps the kept heads' entries (``Family.head_vectors``). A layer left with no
 head needs none (its stand-in adds the output projection's bias). Other per-head parameters of an attention
