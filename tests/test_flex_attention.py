@@ -248,3 +248,21 @@ def test_learned_sinks_under_flex_on_a_cpu_are_refused():
     with pytest.raises(HeadlabError, match="importance: .*learned attention sinks"):
         with measuring(model, "importance"):
             pass
+
+
+def test_a_gemma_causal_on_token_ids_is_read_under_flex():
+    """Gemma with ``use_bidirectional_attention`` (PaliGemma's flag; its mask is causal on token ids): SDPA skips
+    that mask on a batch without padding and is refused, but flex always builds its block mask, so the flex model is
+    eager's, causal, and read (before session 46 refused as under SDPA: ``adapters.refuse_mask_skip``)."""
+    def build(attn_implementation: str = FLEX):
+        cls, config = fm.CONFIGS["gemma"]()
+        config.use_bidirectional_attention = True
+        return fm.perturbed_model(cls, config, attn_implementation=attn_implementation).double()
+
+    inputs = fm.tiny_inputs(pad=False)  # SDPA's skip: a batch without padding
+    torch.testing.assert_close(fm.logits(build(), inputs), fm.logits(build("eager"), inputs), atol=1e-6, rtol=0)
+    _, record = fm.check_capture_equals_output_attentions(build, "dec_self", inputs)
+    assert all(not torch.triu(probs, diagonal=1).any() for probs in record.values())  # causal
+    with pytest.raises(HeadlabError, match="use_bidirectional_attention"):
+        with capture_attention(build("sdpa")):
+            pass

@@ -801,11 +801,18 @@ def _causal_on_token_ids(module: nn.Module, model: nn.Module | None) -> bool:
         getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is True
 
 
+MASK_ALWAYS_BUILT = (None, "eager", "flex_attention")
+"""Attention implementations whose mask transformers always builds (5.24, masking_utils: ``eager_mask``, and
+``flex_attention_mask``'s block mask from the causal mask function); SDPA's (``allow_is_causal_skip``) and flash's
+leave a batch without padding to ``is_causal`` (:func:`refuse_mask_skip`)."""
+
+
 def refuse_mask_skip(model: nn.Module, what: str) -> None:
     """Refuse to measure ``what``, before any work, on a model of :data:`~headlab.adapters.families.CAUSAL_ON_TOKEN_IDS`
-    whose language model runs an attention implementation other than eager: transformers skips the causal mask of a
-    batch without padding and leaves causality to the attention's ``is_causal``, False there, so its SDPA forward
-    attends bidirectionally over such a batch and causally over a padded one (transformers 5.24). Called where
+    whose language model runs an attention implementation that may skip its mask (not :data:`MASK_ALWAYS_BUILT`):
+    transformers skips the causal mask of a batch without padding and leaves causality to the attention's
+    ``is_causal``, False there, so its SDPA forward attends bidirectionally over such a batch and causally over a
+    padded one (transformers 5.24). Eager and flex attention (session 46: refused before, needlessly) build it. Called where
     measurements start (:func:`headlab.capture.eager_attention`, :func:`headlab.gates.refuse_gated`), beside
     :func:`headlab.adapters.eager_alibi.refuse_alibi_twice`."""
     config: Any = getattr(model, "config", None)
@@ -813,7 +820,7 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
-    if implementation not in (None, "eager"):
+    if implementation not in MASK_ALWAYS_BUILT:
         raise HeadlabError(
             f"{what}: {type(model).__name__} (model_type {config.model_type!r}) with attn_implementation="
             f"{implementation!r}: "
