@@ -8,9 +8,12 @@ output projection, so on these models: the flex forward is eager's (what headlab
 eager's ``output_attentions``, masking equals the values zeroed by hand, gates at one change nothing, pruning equals
 masking, the fused statistics equal the eager reference, and LRP conserves relevance. Llama (grouped queries), Qwen 2
 and 3 (query/key norms), Gemma 2 (soft-capping at 2, a window of 4 keys), Gemma 3 (a window), BERT and ModernBERT
-(encoders, ModernBERT's local layer), BART (an encoder-decoder). Doge and T5, which transformers 5.24 runs wrongly under
-flex (Doge's attention drops the causal block mask; T5's position bias of one batch row fails on batches), are refused
-(``headlab.adapters.refuse_broken_flex``). experiments/family_sweep.py ``--attn-implementation flex_attention`` sweeps
+(encoders, ModernBERT's local layer), BART (an encoder-decoder); Gemma with ``use_bidirectional_attention``, whose
+mask SDPA skips and flex builds, is read. Doge and T5, which transformers 5.24 runs wrongly under flex (Doge's attention
+drops the causal block mask; T5's position bias of one batch row fails on batches), and learned sinks on a CPU
+(transformers' flex forward raises) are refused (``headlab.adapters.refuse_broken_flex``); so are, on a CPU, gradient
+importance and gated training (``flex_without_backward``: torch's FlexAttention has no backward pass there).
+experiments/family_sweep.py ``--attn-implementation flex_attention`` sweeps
 every type. transformers compiles flex attention on its first call (seconds on a CPU); headlab's own runs are eager
 (``headlab.compiled.running_eagerly``), and so are these tests' references (``force_eager``).
 """
