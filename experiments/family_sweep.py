@@ -54,7 +54,8 @@ accepts it; one whose own forward fails in the dtype is ``refused`` where attent
 as ``from_pretrained(attn_implementation=...)`` does (the capture reference stays eager), adds check ``own`` (their
 logits are the eager reference's) and runs the whole sweep under ``torch.compiler.set_stance("force_eager")`` (as
 headlab's own runs: transformers would compile flex_attention); a class without the implementation, or whose own forward
-fails with it (flex with learned sinks on CPU), is ``skipped`` (:func:`implementation_for`).
+fails with it, is ``skipped``; ``refused`` where headlab refuses it before any work (under flex: T5, learned sinks on
+a CPU; :func:`implementation_for`).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
