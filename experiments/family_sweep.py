@@ -50,10 +50,16 @@ library already uses for that dtype (:func:`tolerance_for`); LRP runs as compute
 calls it (:func:`check_compute_lrp`). A model whose own logits are NaN or inf in the dtype (LongT5 in
 float16) is ``refused-late`` when capture and pruning both refuse it (``check_own_nonfinite``), FAIL where either
 accepts it; one whose own forward fails in the dtype is ``refused`` where attention_blocks refuses it, else ``skipped``.
+``--attn-implementation eager`` / ``flex_attention`` (session 46) builds the checked models with that implementation,
+as ``from_pretrained(attn_implementation=...)`` does (the capture reference stays eager), adds check ``own`` (their
+logits are the eager reference's) and runs the whole sweep under ``torch.compiler.set_stance("force_eager")`` (as
+headlab's own runs: transformers would compile flex_attention); a class without the implementation, or whose own forward
+fails with it, is ``skipped``; ``refused`` where headlab refuses it before any work (under flex: T5, learned sinks on
+a CPU; :func:`implementation_for`).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
-        [--multimodal] [--dtype {float64,float32,bfloat16,float16}]
+        [--multimodal] [--dtype {float64,float32,bfloat16,float16}] [--attn-implementation {sdpa,eager,flex_attention}]
 """
 
 from __future__ import annotations
@@ -499,6 +505,8 @@ ZERO = "sweep_zero_heads"  # the attention function of the mask check's referenc
 VARIANT: dict = {}  # config attributes every build sets (experiments/variant_sweep.py: one flag at a time)
 CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
 MULTIMODAL = False  # --multimodal: the types whose only text-generating class is an image-text-to-text wrapper
+ATTN_IMPLEMENTATION: str | None = None  # --attn-implementation: the models checked loaded so (None: SDPA where it runs)
+IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF = (torch.bfloat16, torch.float16)
 
@@ -1252,6 +1260,61 @@ def check_compute_lrp(model) -> str | None:
     return None
 
 
+def implementation_for(config_class, cls, eager, dtype: torch.dtype, inputs: dict) -> tuple[str | None, str]:
+    """The attention implementation the checked models are built with, or (None, why the type is skipped).
+    Default: SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not), eager where
+    headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused). ``--attn-implementation``:
+    that one, as ``from_pretrained(attn_implementation=...)`` gives it; a class without it (``_supports_sdpa`` /
+    ``_supports_flex_attn`` False, a sub-model that refuses it at build, or a forward of transformers' that fails
+    with it: flex attention with learned sinks on CPU) is skipped, not failed; one whose forward fails and that headlab
+    refuses before any work (T5 under flex) is refused (the reason starts with :data:`REFUSED_FIRST`)."""
+    if ATTN_IMPLEMENTATION is None:
+        sdpa = cls._supports_sdpa and not causal_on_token_ids(eager.config) and build(config_class, cls, "sdpa", dtype)[0]
+        return ("sdpa" if sdpa else "eager"), ""
+    if ATTN_IMPLEMENTATION == "eager":
+        return "eager", ""
+    supports = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}[ATTN_IMPLEMENTATION]
+    if not getattr(cls, supports, False):
+        return None, f"{cls.__name__} does not support {ATTN_IMPLEMENTATION} ({supports} False)"
+    model, why = build(config_class, cls, ATTN_IMPLEMENTATION, dtype)
+    if model is None:
+        return None, f"not built with {ATTN_IMPLEMENTATION}: {why[:200]}"
+    try:
+        logits(as_analysed(model), inputs)
+    except Exception as error:  # noqa: BLE001 - transformers' own forward: not headlab's to check
+        fails = f"its own {ATTN_IMPLEMENTATION} forward fails ({type(error).__name__}: {_gist(error)})"
+        refusal = capture_refusal(as_analysed(model))
+        return None, f"{REFUSED_FIRST}{refusal[:200]} ({fails})" if refusal else fails
+    return ATTN_IMPLEMENTATION, ""
+
+
+REFUSED_FIRST = "refused: "  # implementation_for's reason for a type headlab refuses before any work
+
+
+def capture_refusal(model) -> str:
+    """headlab's refusal to read ``model``'s attention (the first line of the HeadlabError capture_attention raises on
+    entering), or "" where it reads it."""
+    try:
+        with capture_attention(model):
+            pass
+    except HeadlabError as refusal:
+        return str(refusal).splitlines()[0]
+    return ""
+
+
+def check_own_logits(model, eager, inputs, atol: Tolerance) -> None:
+    """The model as built (``--attn-implementation``) gives the eager reference's logits: headlab's capture reads the
+    eager attention, so an implementation that computes something else (a score_mod eager lacks) would be analysed
+    from maps that are not the model's."""
+    ok, diff = close(logits(model, inputs), logits(eager, inputs), atol)
+    if ok:
+        return
+    differ = f"its {model.config._attn_implementation} logits differ from eager's by {diff:.3g}"
+    if refusal := capture_refusal(model):  # headlab must refuse to read such a model's attention
+        raise HeadlabError(f"{differ}; capture refuses it: {refusal}")
+    raise Fail("own", f"{differ}, and capture_attention reads it")
+
+
 def as_analysed(model):
     """The model the checks run on: a multimodal wrapper headlab refuses whole but whose language model it supports
     gives that language model (headlab.language_model.analysed_model, as load_model does); any other, itself."""
@@ -1276,10 +1339,6 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         return "skipped", "build", why
     if problem := token_ids_problem(eager):  # an image on every forward (BLIP-2, Kosmos-2): refused before any work
         return "refused", "inputs", problem[:300]
-    # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
-    # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
-    implementation = "sdpa" if cls._supports_sdpa and not causal_on_token_ids(eager.config) \
-        and build(config_class, cls, "sdpa", requested)[0] else "eager"
     dtype = requested
     inputs = inputs_for(eager)
     try:
@@ -1300,6 +1359,9 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         except Exception as error:  # noqa: BLE001
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
     atol = tolerance_for(dtype)
+    implementation, why = implementation_for(config_class, cls, eager, dtype, inputs)
+    if implementation is None:
+        return ("refused" if why.startswith(REFUSED_FIRST) else "skipped"), "implementation", why
 
     def make(impl: str = implementation):
         return as_analysed(build(config_class, cls, impl, dtype)[0])
@@ -1323,6 +1385,9 @@ def sweep(model_type: str, config_class, timeout: int, requested: torch.dtype = 
         if not (own := logits(eager, inputs)).isfinite().all():  # transformers' own NaN (LongT5 in float16)
             step = "capture"
             return "refused-late", "capture", check_own_nonfinite(make, blocks, inputs, own)
+        if ATTN_IMPLEMENTATION is not None:
+            step = "own"
+            check_own_logits(model, eager, inputs, atol.at_least(1e-6))
         step = "padding"
         # float32's bound whatever the dtype: MPT's and OLMo-Hybrid's softmax are float32 in a float64 model, which
         # rounds a padded row apart from the row alone by 2e-9 to 5e-9; a leak moves it by a neighbour's share
@@ -1375,6 +1440,14 @@ def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, 
         raise Timeout()
 
     signal.signal(signal.SIGALRM, alarm)
+    # transformers compiles flex_attention on its first call (integrations/flex_attention.WrappedFlexAttention): the
+    # sweep's own runs eagerly, as headlab's runs under headlab.compiled.running_eagerly
+    with torch.compiler.set_stance("force_eager"):
+        _run_types(check, only, timeout, columns, skip, variants, counts)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+def _run_types(check, only, timeout: int, columns: int, skip, variants, counts: Counter) -> None:
     for model_type, config_class in model_types(only):
         if model_class(config_class) is None:
             continue
@@ -1398,7 +1471,13 @@ def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, 
             cells = f"{outcome:{12 if columns > 1 else 8}s} " + "".join(f"{cell:8s} " for cell in middle)
             name = model_type if label is None else f"{model_type:26s} {label:34s}"
             print(f"{name:26s} {cells}{time.perf_counter() - start:5.1f}s {message}", flush=True)
-    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+def implementation_argument(parser) -> None:
+    """``--attn-implementation``, which the three sweeps take (session 46)."""
+    parser.add_argument("--attn-implementation", choices=IMPLEMENTATIONS, default=None,
+                        help="build the checked models with this attention implementation (default: SDPA where the "
+                             "class has it, else eager); a class without it is skipped")
 
 
 def main() -> None:
@@ -1413,9 +1492,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float64",
                         help="the dtype the models are built in (float64: float32 where a model does not run in it); "
                              "half precision checked with its own tolerances (tolerance_for)")
+    implementation_argument(parser)
     args = parser.parse_args()
-    global CAUSAL_FIRST, MULTIMODAL
-    CAUSAL_FIRST, MULTIMODAL = args.causal_first, args.multimodal
+    global CAUSAL_FIRST, MULTIMODAL, ATTN_IMPLEMENTATION
+    CAUSAL_FIRST, MULTIMODAL, ATTN_IMPLEMENTATION = args.causal_first, args.multimodal, args.attn_implementation
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()

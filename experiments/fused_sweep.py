@@ -14,12 +14,14 @@ exactly and eager's floats to 1e-4 relative (most models' eager softmax runs in 
 ties round otherwise).
 
 Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: the first file and value that differ);
-``refused`` (the fused engine or the blocks refused it, with the reason); ``CRASH``; ``skipped`` (not built, or no
-analysable block: family_sweep's outcome).
+``refused`` (the fused engine, the eager reference (session 46: ProphetNet's padded batches were ``skipped``) or the
+blocks refused it, with the reason); ``CRASH``; ``skipped`` (not built, or no analysable block: family_sweep's outcome).
+``--attn-implementation`` (session 46): the models built with that implementation, family_sweep's rule
+(:func:`family_sweep.implementation_for`).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/fused_sweep.py [--multimodal | --causal-first] [--only TYPE ...] [--timeout 60] \\
-        [--set NAME=VALUE ...]
+        [--set NAME=VALUE ...] [--attn-implementation {sdpa,eager,flex_attention}]
 """
 
 from __future__ import annotations
@@ -95,11 +97,30 @@ class _EagerFailed(Exception):
     """The eager engine, the reference, does not run on this model: not this check's finding."""
 
 
+def _built_with(config_class, cls, dtype: torch.dtype):
+    """(the model built with ``--attn-implementation``, "") or (None, why not: family_sweep.implementation_for's
+    reasons); a forward that fails in float64 retries in float32 (:class:`_EagerFailed`)."""
+    eager, why = sweep.build(config_class, cls, "eager", dtype)
+    if eager is None:
+        return None, f"build: {why[:120]}"
+    implementation, why = sweep.implementation_for(config_class, cls, eager, dtype, sweep.inputs_for(eager))
+    if implementation is None:
+        if dtype == torch.float64 and "forward fails" in why and not why.startswith(sweep.REFUSED_FIRST):
+            raise _EagerFailed(why)
+        return None, why[:200]
+    return sweep.build(config_class, cls, implementation, dtype)
+
+
 def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
     from test_chunked_statistics import _written
     from test_fused_statistics import word_tokenizer
 
-    model, why = sweep.build(config_class, cls, "sdpa", dtype) if cls._supports_sdpa else (None, "")
+    if sweep.ATTN_IMPLEMENTATION is not None:  # --attn-implementation: that one, or skipped (family_sweep's rule)
+        model, why = _built_with(config_class, cls, dtype)
+        if model is None:
+            return ("refused" if why.startswith(sweep.REFUSED_FIRST) else "skipped"), why
+    else:
+        model, why = sweep.build(config_class, cls, "sdpa", dtype) if cls._supports_sdpa else (None, "")
     if model is None:  # a sub-model without SDPA (Gemma 4's audio tower): eager, as family_sweep falls back
         model, why = sweep.build(config_class, cls, "eager", dtype)
     if model is None:
@@ -131,6 +152,11 @@ def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
             long_treebank(path, words=sparse[0] - 2)
         try:
             eager = _analyse(model, tokenizer, path, "eager")
+        except HeadlabError as error:  # refused before any work (ProphetNet's padded batch, Doge under flex); in
+            # float64 first tried in float32 (ModernVBERT's float64 mask is NaN in eager's float32 softmax)
+            if dtype == torch.float64:
+                raise _EagerFailed(f"HeadlabError: {str(error).splitlines()[0][:120]}") from error
+            return "refused", f"eager engine: {str(error).splitlines()[0][:200]}"
         except Exception as error:  # noqa: BLE001 - the reference itself does not run: not this check's finding
             raise _EagerFailed(f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}") \
                 from error
@@ -172,8 +198,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config attribute every build sets, as variant_sweep's variants do (a string value: "
                              "--set encoder_attention_type=transient-global builds LongT5's transient-global encoder)")
+    sweep.implementation_argument(parser)
     args = parser.parse_args()
     sweep.MULTIMODAL, sweep.CAUSAL_FIRST = args.multimodal, args.causal_first
+    sweep.ATTN_IMPLEMENTATION = args.attn_implementation
     for setting in args.set:
         name, _, value = setting.partition("=")
         sweep.VARIANT[name] = value

@@ -12,6 +12,7 @@ family_sweep's checks (capture, masking, gates, pruning, LRP) run on the tiny mo
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/variant_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--flags NAME ...]
+        [--attn-implementation {sdpa,eager,flex_attention}]
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="also the types of the test matrix (as family_sweep)")
     parser.add_argument("--timeout", type=int, default=30, help="seconds per variant")
     parser.add_argument("--flags", nargs="*", help="these config attributes only")
+    fs.implementation_argument(parser)
     args = parser.parse_args()
+    fs.ATTN_IMPLEMENTATION = args.attn_implementation
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = fs.matrix_types()

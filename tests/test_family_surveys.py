@@ -63,3 +63,31 @@ def test_the_sweep_checks_that_idle_blocks_do_not_run():
     with pytest.raises(sweep.Fail, match=r"model.layers.1.self_attn'\] called idle, but a forward on token ids"):
         sweep.check_idle(model, blocks, sweep.inputs_for(model))
     assert sweep.sweep("xlstm", CONFIG_MAPPING["xlstm"], 60) == ("skipped", "n/a", sweep.SKIPPED["xlstm"])
+
+
+@pytest.mark.parametrize(("model_type", "expected"), [
+    ("llama", ("pass", "", "LlamaForCausalLM: table, 2 dec_self")),
+    ("aria_text", ("skipped", "implementation",
+                   "AriaTextForCausalLM does not support flex_attention (_supports_flex_attn False)")),
+    ("t5", ("refused", "implementation", "refused: reading attention probabilities: T5ForConditionalGeneration")),
+    ("doge", ("refused-late", "own", "HeadlabError after the blocks were found: its flex_attention logits differ "
+                                     "from eager's")),
+])
+def test_the_sweep_under_flex_attention(monkeypatch, model_type, expected):
+    """``--attn-implementation flex_attention`` (session 46): the checked models are built with it (run eagerly, as
+    the sweep runs them); a class without it is skipped; T5, whose own flex forward fails on the probe's batch, and
+    Doge, whose flex forward is not eager's, are refused by headlab (a FAIL where headlab reads Doge: below)."""
+    monkeypatch.setattr(sweep, "ATTN_IMPLEMENTATION", "flex_attention")
+    with torch.compiler.set_stance("force_eager"):
+        outcome, check, message = sweep.sweep(model_type, CONFIG_MAPPING[model_type], 60)
+    assert (outcome, check) == expected[:2] and message.startswith(expected[2]), message
+
+
+def test_the_sweep_fails_a_flex_model_whose_forward_headlab_does_not_read(monkeypatch):
+    from headlab.adapters import families
+
+    monkeypatch.setattr(sweep, "ATTN_IMPLEMENTATION", "flex_attention")
+    monkeypatch.delitem(families.FLEX_REFUSED, "doge")  # headlab as before session 46
+    with torch.compiler.set_stance("force_eager"):
+        outcome, check, message = sweep.sweep("doge", CONFIG_MAPPING["doge"], 60)
+    assert (outcome, check) == ("FAIL", "own") and "capture_attention reads it" in message, message

@@ -34,6 +34,7 @@ from headlab.adapters import (
     check_sink_eager,
     grouped,
     head_input,
+    refuse_broken_flex,
     refuse_mask_skip,
 )
 from headlab.adapters.eager_alibi import SWITCHED, alibi_once, refuse_alibi_twice
@@ -78,6 +79,7 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
         return
     refuse_alibi_twice(model, "reading attention probabilities")
     refuse_mask_skip(model, "reading attention probabilities")
+    refuse_broken_flex(model, "reading attention probabilities")
     with _attention_implementation(model, "eager"), alibi_once(model):
         model.__dict__[SWITCHED] = True
         try:

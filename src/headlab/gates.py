@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block, refuse_mask_skip
+from headlab.adapters import AttentionBlock, attention_blocks, find_block, refuse_broken_flex, refuse_mask_skip
 from headlab.adapters.eager_alibi import refuse_alibi_twice
 from headlab.capture import GATE_STACK, HookHandles, register_head_output_hooks
 from headlab.compiled import discard_compiled_code, running_eagerly, uncompiled
@@ -304,9 +304,11 @@ def refuse_gated(model: nn.Module, what: str, instead: str = "") -> None:
     gates there are the measurement's own (its ``mask=``, ablation's masks, gradient importance's gates at 1), the
     caller's were refused on the way in. A Falcon with ALiBi loaded with eager attention, which adds the bias twice, is
     refused here too, inside :func:`measuring` as well (:func:`headlab.adapters.eager_alibi.refuse_alibi_twice`), and a
-    PaliGemma whose SDPA skips its causal mask (:func:`headlab.adapters.refuse_mask_skip`)."""
+    PaliGemma whose SDPA skips its causal mask (:func:`headlab.adapters.refuse_mask_skip`), and a model that
+    transformers runs wrongly under flex attention (:func:`headlab.adapters.refuse_broken_flex`: Doge, T5)."""
     refuse_alibi_twice(model, what)
     refuse_mask_skip(model, what)
+    refuse_broken_flex(model, what)
     names = attached_gates(model)
     if names and not model.__dict__.get(_MEASURING):
         way = f"{instead}, or " if instead else ""

@@ -12,7 +12,9 @@ be found, never a silent wrong one.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ from headlab.adapters.families import (
     CORE_CLASSES_REFUSED,
     DEPTH_MIXERS,
     FAMILIES,
+    FLEX_REFUSED,
     FUSED_ATTENTION_CLASSES,
     HEAD_COUNT_HOLDERS,
     HEAD_MAPS,
@@ -81,7 +84,8 @@ require_transformers()  # before any model is read: a transformers out of headla
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
-           "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip"]
+           "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip",
+           "refuse_broken_flex", "flex_without_backward"]
 
 
 @dataclass(frozen=True)
@@ -797,11 +801,18 @@ def _causal_on_token_ids(module: nn.Module, model: nn.Module | None) -> bool:
         getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is True
 
 
+MASK_ALWAYS_BUILT = (None, "eager", "flex_attention")
+"""Attention implementations whose mask transformers always builds (5.24, masking_utils: ``eager_mask``, and
+``flex_attention_mask``'s block mask from the causal mask function); SDPA's (``allow_is_causal_skip``) and flash's
+leave a batch without padding to ``is_causal`` (:func:`refuse_mask_skip`)."""
+
+
 def refuse_mask_skip(model: nn.Module, what: str) -> None:
     """Refuse to measure ``what``, before any work, on a model of :data:`~headlab.adapters.families.CAUSAL_ON_TOKEN_IDS`
-    whose language model runs an attention implementation other than eager: transformers skips the causal mask of a
-    batch without padding and leaves causality to the attention's ``is_causal``, False there, so its SDPA forward
-    attends bidirectionally over such a batch and causally over a padded one (transformers 5.24). Called where
+    whose language model runs an attention implementation that may skip its mask (not :data:`MASK_ALWAYS_BUILT`):
+    transformers skips the causal mask of a batch without padding and leaves causality to the attention's
+    ``is_causal``, False there, so its SDPA forward attends bidirectionally over such a batch and causally over a
+    padded one (transformers 5.24). Eager and flex attention (session 46: refused before, needlessly) build it. Called where
     measurements start (:func:`headlab.capture.eager_attention`, :func:`headlab.gates.refuse_gated`), beside
     :func:`headlab.adapters.eager_alibi.refuse_alibi_twice`."""
     config: Any = getattr(model, "config", None)
@@ -809,7 +820,7 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
-    if implementation not in (None, "eager"):
+    if implementation not in MASK_ALWAYS_BUILT:
         raise HeadlabError(
             f"{what}: {type(model).__name__} (model_type {config.model_type!r}) with attn_implementation="
             f"{implementation!r}: "
@@ -818,6 +829,89 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
             f"{implementation} skips that mask on a batch without padding, so the model would attend bidirectionally "
             "over such a batch and causally over a padded one, two models in one run: load it with "
             "attn_implementation='eager' (headlab's load_model does for this model type)")
+
+
+def _broken_flex(config: Any) -> str | None:
+    """What goes wrong with ``config``'s attention under flex attention (:data:`FLEX_REFUSED`), or None: not such a
+    model type, not flex, or a transformers whose code no longer does it."""
+    found = FLEX_REFUSED.get(getattr(config, "model_type", None) or "")
+    if found is None or getattr(config, "_attn_implementation", None) != "flex_attention":
+        return None
+    what, marker = found
+    modules = (f"transformers.models.{config.model_type}.modeling_{config.model_type}",
+               "transformers.integrations.flex_attention")
+    for module in (sys.modules.get(name) for name in modules):
+        try:
+            if module is not None and marker in inspect.getsource(module):
+                return what
+        except (OSError, TypeError):
+            continue
+    return None
+
+
+def refuse_broken_flex(model: nn.Module, what: str) -> None:
+    """Refuse to measure ``what``, before any work, on a model loaded with ``attn_implementation="flex_attention"``
+    that transformers runs wrongly there (:data:`~headlab.adapters.families.FLEX_REFUSED`: Doge's is not causal, T5's
+    fails on batches), or whose forward cannot run where it is (:func:`_flex_sinks_on_cpu`). Called where
+    measurements start, beside :func:`refuse_mask_skip`."""
+    for config in attention_configs(model):
+        if (wrong := _broken_flex(config)) is not None:
+            raise HeadlabError(
+                f"{what}: {type(model).__name__} (model_type {config.model_type!r}) loaded with "
+                f"attn_implementation='flex_attention': in this transformers version {wrong}; headlab reads its "
+                "attention in eager mode, which would not be this model's: load it with attn_implementation='sdpa' "
+                "(the default)")
+    if _flex_sinks_on_cpu(model):
+        raise HeadlabError(
+            f"{what}: {type(model).__name__} has learned attention sinks and was loaded with attn_implementation="
+            "'flex_attention', whose forward transformers runs only off a CPU (flex_attention_forward: 'Attention "
+            "sinks cannot be run on CPU with flex attention'): every measure that runs the model's own forward would "
+            "fail part-way; load it with attn_implementation='eager', or run it on a GPU")
+
+
+def _flex_sinks_on_cpu(model: nn.Module) -> bool:
+    """A model with learned attention sinks (:data:`~headlab.adapters.families.ATTENTION_SINKS`' ``sinks``), loaded
+    with flex attention and on a CPU, where transformers' ``flex_attention_forward`` raises a ValueError (5.24: it
+    asks flex for the log-sum-exp the sinks need only off a CPU; its source's test)."""
+    if not any(getattr(c, "_attn_implementation", None) == "flex_attention" for c in attention_configs(model)):
+        return False
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu":
+        return False
+    if not any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return False
+    module = sys.modules.get("transformers.integrations.flex_attention")
+    try:
+        return module is not None and "Attention sinks cannot be run on CPU" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
+def flex_without_backward(model: nn.Module, device: torch.device | None = None) -> str | None:
+    """Why ``model``'s attention has no backward pass on ``device`` (default: where its parameters are), or None:
+    loaded with ``attn_implementation="flex_attention"`` and on a CPU, where torch's FlexAttention raises
+    NotImplementedError for a backward pass (torch 2.13, ``flex_attention._validate_device``: its source's test, so a
+    torch that adds one is not refused). For the callers that differentiate the model's own forward (gradient
+    importance, gated training), before any work."""
+    if not any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model)):
+        return None
+    parameter = next(model.parameters(), None)
+    device = device if device is not None else parameter.device if parameter is not None else None
+    if device is None or torch.device(device).type != "cpu" or not _flex_refuses_cpu_backward():
+        return None
+    return (f"{type(model).__name__} was loaded with attn_implementation='flex_attention', and torch's FlexAttention "
+            "has no backward pass on a CPU (NotImplementedError in flex_attention's device check): load it with "
+            "attn_implementation='sdpa' (the default), or run it on a GPU")
+
+
+def _flex_refuses_cpu_backward() -> bool:
+    """Whether this torch's FlexAttention refuses a backward pass on a CPU (read off its device check)."""
+    try:
+        from torch.nn.attention import flex_attention
+
+        return "backward on CPU" in inspect.getsource(flex_attention._validate_device)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
 
 
 def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:

@@ -408,7 +408,9 @@ transformers' attention functions for that head alone (transformers 5.24). Eager
 ``sinks.reshape(1, -1, 1, 1)`` is appended to each head's row of logits as one more softmax column, then dropped;
 Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits_h) - sinks[h])``
 (``sinks.view(1, -1, 1)``), the same extra softmax logit; flex attention: the output renormalised by
-``exp(lse - logsumexp([lse, sink]))`` with ``s_aux.view(1, -1, 1, 1)``; SDPA is not supported by these classes.
+``exp(lse - logsumexp([lse, sink]))`` with ``s_aux.view(1, -1, 1, 1)``, off a CPU only (on a CPU transformers raises,
+and headlab refuses such a model before any work: :func:`headlab.adapters.refuse_broken_flex`); SDPA is not supported
+by these classes.
 Head h's sink changes head h's output only, so masking a head (zeros at the output projection's input) leaves
 the others' exact and pruning keeps the kept heads' entries (``Family.head_vectors``). A layer left with no
 head needs none (its stand-in adds the output projection's bias). Other per-head parameters of an attention
@@ -432,6 +434,27 @@ Gemma 2 and Gemma 3's were ``enc_self`` with the flag set, a masked LM's objecti
 Under an implementation that skips that mask on a batch without padding (SDPA: ``is_causal`` False then attends
 bidirectionally, and a padded batch causally) the model is refused before any work, naming the way out: eager
 attention, which always builds it (:func:`headlab.adapters.refuse_mask_skip`)."""
+
+
+_T5_FLEX = ("its attention hands transformers' flex_attention_forward a relative position bias of one batch row "
+            "([1, heads, queries, keys]: T5Attention.forward, compute_bias), which flex's score_mod indexes by batch "
+            "row (position_bias[batch_idx, ...]): a batch of more than one sentence fails, index out of bounds",
+            "position_bias[batch_idx")
+FLEX_REFUSED: dict[str, tuple[str, str]] = {
+    "doge": ("its attention (DogeAttention.prepare_dynamic_mask) drops the causal block mask and hands flex attention "
+             "its dynamic mask alone, so every query attends to later tokens too, while eager and SDPA are causal",
+             "not isinstance(attention_mask, BlockMask)"),
+    **dict.fromkeys(("t5", "mt5", "umt5"), _T5_FLEX),
+}
+"""Model types that transformers 5.24 runs wrongly under ``attn_implementation="flex_attention"``: what goes wrong,
+and the text of its source that does it (the model's modeling module or ``integrations/flex_attention.py``: a
+transformers whose code no longer has it is not refused). Doge's ``prepare_dynamic_mask`` adds its dynamic mask onto a
+4-D mask tensor but skips a ``BlockMask`` and hands the attention function the dynamic mask alone, which
+``flex_attention_forward`` adds as a score mask with no block mask: not causal (headlab's eager reading would be, a
+silent wrong result). T5, mT5 and UMT5 hand it a position bias of one batch row that its ``score_mod`` indexes by
+batch row. Every measurement refuses them before any work, naming the way out, SDPA
+(:func:`headlab.adapters.refuse_broken_flex`; found by experiments/family_sweep.py ``--attn-implementation
+flex_attention``, session 46)."""
 
 
 def causal_on_token_ids(config: Any) -> bool:

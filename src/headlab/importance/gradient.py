@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, flex_without_backward
 from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
@@ -71,6 +71,8 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     share (:meth:`Shard.take`), and the sums are added over the processes in batch order, as
     one process adds them.
     """
+    if (problem := flex_without_backward(model)) is not None:
+        raise HeadlabError(f"gradient importance differentiates the model's own forward: {problem}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and not b.idle and (kinds is None or b.kind in kinds)]
     keep = {b.key: torch.ones(b.n_heads) for b in blocks}
     for key, heads in (mask or {}).items():
@@ -179,6 +181,11 @@ class Gradient(ImportanceMeasure):
               "gradient_raw": ("Gradient importance (raw)", "E|dL/dg_h|, not normalised")}
     needs_lm_head = True
     uses_loss = True
+
+    def unsupported(self, model: nn.Module) -> str | None:
+        """Flex attention on a CPU, which has no backward pass (found before any measure runs)."""
+        problem = flex_without_backward(model)
+        return f"it differentiates the model's own forward: {problem}" if problem is not None else None
 
     def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,  # type: ignore[override]
                      tokenizer=None) -> list[HeadScores]:  # (the keywords the callers pass, named)
