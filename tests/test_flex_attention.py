@@ -235,6 +235,25 @@ def test_what_differentiates_the_models_flex_forward_is_refused_on_a_cpu(tmp_pat
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("family", "attribute"), [("llama", "attention_dropout"), ("bert", "attention_probs_dropout_prob")])
+def test_attention_dropout_under_flex_is_refused_for_training(family, attribute):
+    """transformers' flex_attention_forward refuses attention dropout, which the attention hands it in training mode
+    (Llama's float ``attention_dropout``, BERT's ``nn.Dropout``'s p): gated training names it before any work
+    (prune_train on a GPU; on a CPU the missing backward pass is named first). Before session 46 the first training
+    step failed with transformers' ValueError after the output directory was written."""
+    from headlab.adapters import flex_attention_dropout
+
+    cls, config = (FAMILIES[family][0])()
+    setattr(config, attribute, 0.0)
+    assert flex_attention_dropout(fm.perturbed_model(cls, config, attn_implementation=FLEX)) is None  # dropout 0
+    setattr(config, attribute, 0.25)
+    model = fm.perturbed_model(cls, config, attn_implementation=FLEX)
+    with pytest.raises(ValueError, match="does not support `dropout`"):  # the premise: transformers' own refusal
+        model.train()(**_inputs(family))
+    assert "0.25" in (flex_attention_dropout(model) or "")
+    assert flex_attention_dropout(fm.perturbed_model(cls, config, attn_implementation="sdpa")) is None
+
+
 def test_learned_sinks_under_flex_on_a_cpu_are_refused():
     """transformers runs flex attention with learned sinks only off a CPU (a ValueError in the model's own forward):
     capture and every measurement refuse GPT-OSS so loaded before any work, naming eager; before session 46 capture

@@ -85,7 +85,7 @@ require_transformers()  # before any model is read: a transformers out of headla
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
            "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip",
-           "refuse_broken_flex", "flex_without_backward"]
+           "refuse_broken_flex", "flex_without_backward", "flex_attention_dropout"]
 
 
 @dataclass(frozen=True)
@@ -902,6 +902,33 @@ def flex_without_backward(model: nn.Module, device: torch.device | None = None) 
     return (f"{type(model).__name__} was loaded with attn_implementation='flex_attention', and torch's FlexAttention "
             "has no backward pass on a CPU (NotImplementedError in flex_attention's device check): load it with "
             "attn_implementation='sdpa' (the default), or run it on a GPU")
+
+
+def flex_attention_dropout(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be trained under flex attention, or None: loaded with ``attn_implementation=
+    "flex_attention"`` with attention dropout above 0, which its attention hands the attention function in training
+    mode (``dropout=self.attention_dropout``, BERT's ``self.dropout.p``, BART's float ``self.dropout``), and which
+    transformers' ``flex_attention_forward`` refuses with a ValueError (5.24: "does not support `dropout`") at the
+    first training step. Read off the attention modules' own attributes, the ones those calls pass; for gated training,
+    before any work."""
+    if not any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model)):
+        return None
+    module = sys.modules.get("transformers.integrations.flex_attention")
+    try:
+        if module is None or "does not support `dropout`" not in inspect.getsource(module):
+            return None
+    except (OSError, TypeError):
+        return None
+    for block in attention_blocks(model):
+        for name in ("attention_dropout", "dropout"):
+            value = getattr(block.core, name, None)
+            rate = value.p if isinstance(value, nn.Dropout) else value
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                return (f"{type(model).__name__} was loaded with attn_implementation='flex_attention' and its attention "
+                        f"drops out weights in training ({block.name}.{name} = {rate:g}), which transformers' "
+                        "flex_attention_forward refuses ('does not support `dropout`'): set the config's attention "
+                        "dropout to 0, or load it with attn_implementation='sdpa' (the default)")
+    return None
 
 
 def _flex_refuses_cpu_backward() -> bool:

@@ -46,7 +46,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from headlab.adapters import attention_blocks, flex_without_backward, idle_blocks
+from headlab.adapters import attention_blocks, flex_attention_dropout, flex_without_backward, idle_blocks
 from headlab.capture import eval_mode
 from headlab.compiled import model_entry
 from headlab.errors import HeadlabError, counted
@@ -511,6 +511,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     log = log or accelerator.print
     if (problem := flex_without_backward(model, accelerator.device)) is not None:
         raise HeadlabError(f"gated training differentiates the model's own forward: {problem}")
+    if (problem := flex_attention_dropout(model)) is not None:
+        raise HeadlabError(f"gated training runs the model in training mode: {problem}")
     out_dir = Path(config.train.out_dir)
     run_dir = out_dir / "train"
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
