@@ -162,3 +162,26 @@ def test_a_quantized_checkpoint_whose_package_is_missing_is_a_clear_error(tmp_pa
     with pytest.raises(HeadlabError, match=r"q: cannot load it here: its quantization_config \(bitsandbytes\) needs "
                                            r"what is not installed \(.*bitsandbytes"):
         load_model(str(tmp_path / "q"))
+
+
+def test_a_float64_pruned_directory_loads_its_float64_weights_when_asked(tmp_path):
+    """``load_model(dtype=torch.float64)`` of a directory save_pruned wrote in float64 gives its weights to the bit.
+    Before session 46 load_pruned built the model in float32, the weights were rounded on the way in and widened back
+    (5.9e-8 apart here; a tiny GPT-OSS's logits 6e-10: experiments/fuzz_heads.py). By default (float32) and narrower,
+    the build stays float32, as the docstring says."""
+    from headlab import prune_heads, save_pruned
+
+    model = tiny_model("llama").double()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():  # values float32 cannot hold
+            parameter.add_(1e-3 * torch.randn_like(parameter))
+    prune_heads(model, {("dec_self", 0): [0]})
+    save_pruned(model, tmp_path / "pruned")
+    loaded = load_model(str(tmp_path / "pruned"), dtype=torch.float64)
+    for (name, saved), (_, read) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert read.dtype == torch.float64 and torch.equal(saved, read), name
+    inputs = tiny_inputs("llama")
+    assert torch.equal(model(**inputs).logits, loaded(**inputs).logits)
+    default = load_model(str(tmp_path / "pruned"))
+    assert next(default.parameters()).dtype == torch.float32 and torch.get_default_dtype() == torch.float32

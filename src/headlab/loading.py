@@ -145,7 +145,8 @@ def load_model(
         raise HeadlabError("give --device or --device-map, not both")
     path = Path(name_or_path)
     if path.is_dir() and (path / PRUNING_FILE).is_file():
-        return _place(load_pruned(path, trust_remote_code=trust_remote_code), path, dtype, device, device_map)
+        return _place(load_pruned(path, trust_remote_code=trust_remote_code, dtype=_built_in(dtype)), path, dtype,
+                      device, device_map)
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config, f"{name_or_path}/config.json")
     # Read the weights' headers before transformers does: complete or refused. (Quantized weights
@@ -166,7 +167,7 @@ def load_model(
                                f"{config.model_type!r} checkpoint have fewer heads than its config says, a layout "
                                "headlab never saves (it saves a pruned language model alone)")
         if record is not None:  # a pruned directory re-saved by transformers: heads from the weights' shapes
-            model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record)
+            model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record, dtype=_built_in(dtype))
             return _place(model, path, dtype, device, device_map)
         check_fits_weights(structure, shapes, f"{path}/config.json")
     kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype,
@@ -291,6 +292,13 @@ def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
     # weights under the checkpoint's own tensor names (Inkling2's, converted by transformers): the plan alone
     record = record_from_weights(structure, shapes, plan) or record_from_plan(structure, shapes, plan)
     return None if record is None else {"format": FORMAT_VERSION, **record}
+
+
+def _built_in(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype to build a pruned model in before its weights load (:func:`headlab.surgery.load_pruned`): float64
+    when asked for it, so float64 weights are not rounded to float32 on the way; else torch's default (float32), into
+    which narrower weights widen exactly and which :func:`_place` then narrows as asked."""
+    return dtype if dtype == torch.float64 else None
 
 
 def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module:

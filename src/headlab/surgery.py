@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
+from transformers.modeling_utils import local_torch_dtype
 
 from headlab.adapters import (
     AttentionBlock,
@@ -2076,7 +2077,7 @@ def _holds_plan(path: Path) -> bool:
 
 
 def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, trust_remote_code: bool = False,
-                record: Mapping | None = None, **config_overrides) -> nn.Module:
+                record: Mapping | None = None, dtype: torch.dtype | None = None, **config_overrides) -> nn.Module:
     """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
 
     There is no unpruned model with these weights to compare with, so the check is in two parts:
@@ -2085,7 +2086,10 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     what masking computes, whatever the weights); then the loaded model must run the padded probe
     and its generation steps with finite outputs. Weights are read with safetensors only; no code
     from the directory is run (the config is read with ``trust_remote_code`` as given, False by
-    default). ``record`` stands in for a missing headlab_pruning.json
+    default). ``dtype``: the dtype the model is built and checked in (default torch's default, float32): weights
+    stored wider than it are rounded to it, so :func:`headlab.load_model` passes ``float64`` when asked for it (session
+    46: a float64 directory was rounded to float32 and widened back, experiments/fuzz_heads.py), and narrower ones
+    widen exactly. ``record`` stands in for a missing headlab_pruning.json
     (:func:`headlab.checkpoint.record_from_weights`). The record is checked against the weights'
     shapes, and every tensor must load: none missing, none left over.
     """
@@ -2113,7 +2117,8 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     restore_original_config(dict(record), config)  # the record applies to the unpruned model
     if model_class is None:
         model_class = checkpoint.named_model_class(config, f"{path}/config.json")
-    model = checkpoint.build_model(model_class, config, path)
+    with local_torch_dtype(dtype or torch.get_default_dtype()):  # transformers' own context: cls(config) builds in it
+        model = checkpoint.build_model(model_class, config, path)
     apply_pruning_record(model, record, source)
     reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
     _refuse_computed_by_index(model, reconstructed or [], path)
