@@ -73,7 +73,7 @@ from family_sweep import Fail, close, tolerance_for  # noqa: E402
 VOCAB = 99
 SPECIAL = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
 TOLERANCE = tolerance_for(torch.float64)
-CHECKS = ("gates", "mask", "prune", "save", "twice", "capture", "fused", "lrp")
+CHECKS = ("gates", "mask", "prune", "save", "twice", "numbering", "capture", "fused", "lrp")
 
 
 # -- random configs --------------------------------------------------------------------------------------------------
@@ -297,8 +297,11 @@ FAMILIES: dict[str, Family] = {
 
 
 def in_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` in float64, its experts run one by one (transformers' grouped_mm takes no float64: torch 2.13)."""
+    """``model`` in float64 as ``from_pretrained(dtype=torch.float64)`` gives it (``config.dtype`` too, which the saved
+    config records and load_pruned builds in), its experts run one by one (transformers' grouped_mm takes no float64:
+    torch 2.13)."""
     config: Any = model.config
+    config.dtype = torch.float64
     if getattr(config, "_experts_implementation", None) not in (None, "eager"):
         config._experts_implementation = "eager"
     return model.double()
@@ -629,6 +632,39 @@ def check_lrp(model, what: str, notes: list) -> None:
         raise Fail("lrp", f"{what}: compute_lrp conserved relevance to {gap:.1g} in float64")
 
 
+def check_confidence(model, pruned, spec: dict, seq2seq: bool) -> None:
+    """compute_confidence (default and eager engines) on the pruned model: its table in the original numbering, the
+    kept heads' scores those of the masked model (masking changes no map of a kept head), the removed heads' NaN."""
+    from headlab.data.inputs import ImportanceData, translate_data
+    from headlab.gates import measuring
+    from headlab.importance import compute_confidence, describe_model
+
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, VOCAB, (k,), generator=g).tolist() + [1] for k in (4, 6, 9)])
+    info = describe_model(model)
+    if seq2seq:  # the model's own translation, as confidence scores it
+        data = translate_data(model, data, info, max_length_a=0.5, max_length_b=3)
+    for engine in (None, "eager"):
+        with measuring(model, "fuzz: confidence masked"), mask_heads(model, spec):  # as run(mask=) measures
+            masked = compute_confidence(model, data, info, engine=engine)
+        got = compute_confidence(pruned, data, describe_model(pruned), engine=engine)
+        for kind, table in masked.scores.items():
+            for (k, layer), heads in spec.items():
+                if k != kind:
+                    continue
+                row = torch.as_tensor(got.scores[kind][layer])
+                if not row[heads].isnan().all():
+                    raise Fail("numbering", f"{engine or 'default'} engine: removed heads {heads} of {k}:{layer} "
+                                            f"scored {row[heads].tolist()} on the pruned model")
+            want, have = torch.as_tensor(table), torch.as_tensor(got.scores[kind])
+            kept = ~have.isnan()
+            ok, diff = close(have[kept], want[kept], 1e-9)
+            if not ok or not torch.equal(kept, ~want.isnan() & kept) or kept.sum() + sum(map(len, (
+                    h for (k, _), h in spec.items() if k == kind))) != (~want.isnan()).sum():
+                raise Fail("numbering", f"{engine or 'default'} engine, {kind}: the pruned model's confidence "
+                                        f"differs from the masked model's by {diff:.3g} or names other heads")
+
+
 def alibi_twice(model) -> bool:
     """Falcon with ALiBi in eager mode adds the bias twice (transformers 5.24; tests/test_falcon_alibi_eager.py): its
     output_attentions is no reference (headlab refuses an eager-loaded one; its SDPA capture is checked there)."""
@@ -694,6 +730,7 @@ def run_case(seed: int, family: str, skip: frozenset = frozenset()) -> Case:
         if pruned is not None:
             step("save", check_save, model, pruned, case.spec, spec_family.kind, inputs, notes)
             step("twice", check_twice, model, r, case.spec, inputs, pruned, notes)
+            step("numbering", check_confidence, model, pruned, case.spec, seq2seq)
         step("fused", check_fused, model, seq2seq)
         if not seq2seq:
             step("lrp", check_lrp, model, "model", notes)
