@@ -127,3 +127,25 @@ def test_load_pruned_keeps_float64_weights(tmp_path):
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 2]]),
               "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
     assert torch.equal(fuzz.logits(loaded, inputs), fuzz.logits(model, inputs))
+
+
+def test_translation_of_a_t5_with_more_decoder_layers_is_refused_before_any_batch():
+    """Crashed before with a raw IndexError inside transformers' generate (its cache built for the encoder's
+    num_layers: T5Config maps num_hidden_layers to it), found by the campaign: refused now, naming the cause; a T5 of
+    as many or fewer decoder layers translates."""
+    from headlab.data.inputs import translate_data
+    from headlab.errors import HeadlabError
+    from headlab.model_description import generation_cache_problem
+
+    data = ImportanceData.from_ids([[5, 6, 7, 1], [8, 9, 1]])
+    for encoder, decoder in ((1, 2), (2, 1), (2, 2)):
+        config = tf.T5Config(vocab_size=99, d_model=16, d_kv=4, num_heads=2, d_ff=20, num_layers=encoder,
+                             num_decoder_layers=decoder, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        model = tf.T5ForConditionalGeneration(config).eval()
+        if decoder > encoder:
+            assert "its decoder has 2 layers" in generation_cache_problem(model)
+            with pytest.raises(HeadlabError, match="generation cache.*IndexError"):
+                translate_data(model, data, describe_model(model), max_length_b=2)
+        else:
+            assert generation_cache_problem(model) is None
+            assert len(translate_data(model, data, describe_model(model), max_length_b=2).translations) == 2
