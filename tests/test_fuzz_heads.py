@@ -149,3 +149,24 @@ def test_translation_of_a_t5_with_more_decoder_layers_is_refused_before_any_batc
         else:
             assert generation_cache_problem(model) is None
             assert len(translate_data(model, data, describe_model(model), max_length_b=2).translations) == 2
+
+
+def test_stablelm_with_per_head_norms_and_a_layer_emptied_is_not_called_portable(tmp_path):
+    """Fails before: with every head of a layer removed, the layer's per-head query/key norm lists were left out of
+    the plan, so save_pruned called the directory loadable by plain transformers ("remote code"), and loading it so
+    raised a RuntimeError (the norms pruned_heads.py built were missing from the checkpoint), found by the campaign.
+    Now it says headlab-only, as with heads left in the layer, and load_pruned gives the same logits."""
+    import json
+
+    from headlab import load_pruned, prune_heads, save_pruned
+
+    config = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=20,
+                  num_hidden_layers=2, max_position_embeddings=64, vocab_size=99, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=2, qk_layernorm=True, use_parallel_residual=True)
+    model = fuzz.build("stablelm", config, "sdpa", 6)
+    prune_heads(model, {("dec_self", 0): [0, 1]})
+    save_pruned(model, tmp_path / "pruned")
+    portable = json.loads((tmp_path / "pruned" / "headlab_pruning.json").read_text())["portable"]
+    assert portable["how"] is None and "per-head query/key norms" in portable["reason"]
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.tensor([[1, 1, 1, 1]])}
+    assert torch.equal(fuzz.logits(load_pruned(tmp_path / "pruned"), inputs), fuzz.logits(model, inputs))
