@@ -530,7 +530,12 @@ def check_save(model, pruned, spec: dict, kind: str, inputs: dict, notes: list) 
         except HeadlabError as error:
             notes.append(f"save refused: {str(error).splitlines()[0][:160]}")
             return
-        reloaded = in_float64(load_pruned(directory))
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # load_pruned builds in the default dtype (float32: weights rounded)
+        try:
+            reloaded = in_float64(load_pruned(directory))
+        finally:
+            torch.set_default_dtype(default)
         if not torch.equal(logits(reloaded, inputs), expected):
             raise Fail("save", f"load_pruned differs by {close(logits(reloaded, inputs), expected, 0)[1]:.3g}")
         how = json.loads((Path(directory) / "headlab_pruning.json").read_text())["portable"]["how"]

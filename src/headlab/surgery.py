@@ -2122,7 +2122,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     checkpoint.check_fits_weights(model, shapes, source)
 
     state = checkpoint.read_weights(path)
-    _widen_to_stored(model, state)
     model_keys = set(model.state_dict())
     unexpected: list[str] = []
     if any(name not in model_keys for name in state) and _converted_on_save(model):
@@ -2151,21 +2150,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
             "groups them (query heads over their key/value heads), not as in the model they were pruned from",
             path, ", ".join(map(str, reconstructed)))
     return model.eval()
-
-
-def _widen_to_stored(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Weights stored in float64 load into a float64 model: ``cls(config)`` builds in float32, and loading the state
-    into it rounded every weight to float32 without a word (load_model(dtype=torch.float64) widened them back, rounded;
-    logits 6e-10 away on a tiny GPT-OSS, its sinks 6e-8: experiments/fuzz_heads.py, session 46). Narrower weights
-    (float16, bfloat16) widen to float32 exactly, as before. Experts then run transformers' reference loop: its
-    grouped matmul takes no float64 (as LRP runs them: importance.rules)."""
-    if not any(tensor.dtype == torch.float64 for tensor in state.values()):
-        return
-    model.to(torch.float64)
-    cast(Any, model).config.dtype = torch.float64
-    for config in {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}.values():
-        if getattr(config, "_experts_implementation", "eager") not in (None, "eager"):
-            config._experts_implementation = "eager"
 
 
 def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: Path) -> None:
