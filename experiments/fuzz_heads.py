@@ -319,8 +319,8 @@ def build(family: str, config_kwargs: dict, implementation: str, seed: int) -> t
     model = in_float64(perturbed_model(spec.cls, config, seed=seed, attn_implementation=implementation))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("sinks"):
-                parameter.add_(torch.randn_like(parameter))
+            if name.endswith("sinks"):  # float32 values: load_pruned builds in float32 (docs/benchmarks.md)
+                parameter.copy_((parameter + torch.randn_like(parameter)).float())
     return model
 
 
@@ -530,12 +530,8 @@ def check_save(model, pruned, spec: dict, kind: str, inputs: dict, notes: list) 
         except HeadlabError as error:
             notes.append(f"save refused: {str(error).splitlines()[0][:160]}")
             return
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)  # load_pruned builds in the default dtype (float32: weights rounded)
-        try:
-            reloaded = in_float64(load_pruned(directory))
-        finally:
-            torch.set_default_dtype(default)
+        # load_pruned builds in the default dtype: float32, exact here (every weight is float32-valued, see build)
+        reloaded = in_float64(load_pruned(directory))
         if not torch.equal(logits(reloaded, inputs), expected):
             raise Fail("save", f"load_pruned differs by {close(logits(reloaded, inputs), expected, 0)[1]:.3g}")
         how = json.loads((Path(directory) / "headlab_pruning.json").read_text())["portable"]["how"]
