@@ -189,6 +189,25 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     )
 
 
+def generation_cache_problem(model: nn.Module) -> str | None:
+    """Why transformers cannot generate with ``model``'s cache, else None: an encoder-decoder whose decoder has more
+    layers than its config's decoder text config says (T5Config maps ``num_hidden_layers`` to the encoder's
+    ``num_layers`` whatever ``num_decoder_layers`` is: google/t5-efficient-*-dl*), for which transformers 5.24's
+    ``generate`` builds a cache of too few layers and fails on the first layer past them with an IndexError."""
+    config: Any = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return None
+    decoder = cast(Any, model).get_decoder()
+    layers = max((len(m) for m in decoder.children() if isinstance(m, nn.ModuleList)), default=0)
+    cached = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if not isinstance(cached, int) or layers <= cached:
+        return None
+    return (f"{config.model_type}: its decoder has {layers} layers, but transformers builds the generation cache from "
+            f"the config's num_hidden_layers ({cached}, the encoder's), so its generate() fails on decoder layer "
+            f"{cached} (IndexError in cache_utils): translating with this model is not possible with transformers "
+            "5.24; score on references (teacher forcing) instead of the model's own translations")
+
+
 def pooled_pad_id(config: Any) -> Any:
     """The padding id a sequence classifier pools by (its last token not this id): transformers'
     ``GenericForSequenceClassification`` reads ``config.get_text_config().pad_token_id``, so a wrapper's text

@@ -1986,6 +1986,10 @@ def pruning_plan(model: nn.Module) -> dict:
         # pruned_heads.py does not read it: a directory re-saved through it keeps the original numbering in config.json
         plan.setdefault("kept", {})[block.name] = [list(getattr(core, KEPT_ATTR)),
                                                     list(getattr(core, KV_KEPT_ATTR)), int(getattr(core, ORIGINAL_ATTR))]
+        # a layer emptied too: its stand-in adopts the emptied lists, which pruned_heads.py's would build whole (StableLM
+        # with every head of a layer removed: plain loading failed on the norms missing from the checkpoint)
+        for path, module, _ in _per_head_lists(block):
+            plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
         if isinstance(core, ZeroHeadAttention):
             entry = [core.o_name, core.n_outputs, core.d_head]
             if core.residual or core.norm or core.selection:
@@ -2010,8 +2014,6 @@ def pruning_plan(model: nn.Module) -> dict:
                 entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
                 argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before
                 plan.setdefault("alibi", {})[_core_path(block)] = entry if argument == "alibi" else [*entry, argument]
-            for path, module, _ in _per_head_lists(block):
-                plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
             for name, child in core.named_children():  # a norm over a whole q/k projection: its heads selected after it
                 selected = getattr(child, SELECTED_ATTR, None)
                 if selected:

@@ -31,7 +31,7 @@ from torch import nn
 from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import length_batches, with_progress
 from headlab.errors import HeadlabError, counted
-from headlab.model_description import ModelInfo
+from headlab.model_description import ModelInfo, generation_cache_problem
 from headlab.shard import active
 
 __all__ = [
@@ -426,6 +426,9 @@ def translate_data(
     """
     if not info.is_seq2seq:
         raise HeadlabError("translations exist only for encoder-decoder models")
+    problem = generation_cache_problem(model)
+    if problem:  # before any batch: transformers' own generate would fail with an IndexError
+        raise HeadlabError(problem)
     device = next(model.parameters()).device
     outputs: list[list[int] | None] = [None] * len(data)
     shard = active()  # several processes: each translates its own batches, gathered below

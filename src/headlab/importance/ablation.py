@@ -45,7 +45,7 @@ from headlab.heads import HeadScores
 from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, expand_batch, forward_logits, sequence_nll
 from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import METRICS, AblationOptions
-from headlab.model_description import ModelInfo, describe_model
+from headlab.model_description import ModelInfo, describe_model, generation_cache_problem
 from headlab.shard import Ledger, active
 
 __all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]
@@ -372,6 +372,8 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         raise HeadlabError("BLEU ablation needs reference translations (--target)")
     if tokenizer is None:
         raise HeadlabError("BLEU ablation needs the model's tokenizer to turn translations into text")
+    if problem := generation_cache_problem(model):  # transformers' generate would fail at the first batch
+        raise HeadlabError(f"BLEU ablation: {problem}")
     from sacrebleu.metrics import BLEU
 
     device = next(model.parameters()).device

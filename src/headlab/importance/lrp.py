@@ -39,6 +39,7 @@ happens to sample.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
@@ -662,6 +663,7 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
     handles = HookHandles()
     seq_major = {id(block.module.get_submodule(path)) for block in attention_blocks(model) if block.n_heads
                  for path in block.family.seq_major}
+    held = query_key_norms(model)
     try:
         for block in attention_blocks(model):
             if block.qkv is not None and block.n_heads and head_biases(block):
@@ -672,7 +674,7 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
             if isinstance(module, NoHeadAttention):
                 handles.append(module.register_forward_hook(no_head_probe, prepend=True))
                 continue
-            if module is skip or isinstance(module, nn.Embedding) \
+            if module is skip or isinstance(module, nn.Embedding) or id(module) in held \
                     or not isinstance(getattr(module, "bias", None), torch.Tensor):
                 continue
             try:
@@ -692,6 +694,24 @@ def _bias_probes(model: nn.Module, tokens: _Tokens, skip: nn.Module | None,
             yield probes
     finally:
         handles.remove()
+
+
+_QUERY_KEY_NORM = re.compile(r"(q|k|query|key)_?(layer_?)?norm")
+"""The name of a norm over an attention's queries or keys alone (Persimmon's q_layernorm, Qwen3's k_norm), not over
+keys and values (DeepSeek's kv_a_layernorm)."""
+
+
+def query_key_norms(model: nn.Module) -> set[int]:
+    """The norms (by id) that only an attention's queries or keys pass, after the projections whose outputs the rules
+    detach: the queries and keys are held constant, so such a norm's bias keeps no relevance. A probe on it would
+    open a path through the softmax that the rules close, and lose relevance there (Persimmon's q_layernorm and
+    k_layernorm, LayerNorms with biases: conserved to 3e-4 in float64 before; experiments/fuzz_heads.py)."""
+    found: set[int] = set()
+    for block in attention_blocks(model):
+        for path, module in block.core.named_modules():
+            if path and _QUERY_KEY_NORM.fullmatch(path.split(".")[0]) and not is_linear(module):
+                found.add(id(module))
+    return found
 
 
 def _refuse_unplaced(unplaced: Mapping[str, list[torch.Tensor]], y: torch.Tensor, steps: torch.Tensor,
