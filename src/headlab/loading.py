@@ -294,7 +294,7 @@ def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
     return None if record is None else {"format": FORMAT_VERSION, **record}
 
 
-def _built_in(dtype: torch.dtype) -> torch.dtype | None:
+def _built_in(dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype to build a pruned model in before its weights load (:func:`headlab.surgery.load_pruned`): float64
     when asked for it, so float64 weights are not rounded to float32 on the way; else torch's default (float32), into
     which narrower weights widen exactly and which :func:`_place` then narrows as asked."""
