@@ -17,6 +17,7 @@ subwords to any of the key word's subwords.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate, chain
@@ -194,6 +195,42 @@ def _align_one(
     return Alignment(tuple(input_ids), word_of_token, kept, truncated)
 
 
+def _glued_across(words: Sequence[str], space_after: Sequence[bool], forms: tuple[str, ...]) -> int | None:
+    """The first word (index) that the Unicode normalization ``forms`` would merge with the word
+    before it, joined without a space (``SpaceAfter=No``); None when there is none.
+
+    A word that begins with a combining mark ("\u0301") or a conjoining Hangul vowel, glued to the
+    word before it, composes with that word's last character under NFC/NFKC ("e" + "\u0301" ->
+    "é"), and canonical reordering can move marks across the boundary under any form. The
+    tokenizer then gives the merged character the offsets of one original character only
+    (tokenizers' alignment tracking), so the other word's part of it goes silently to the wrong
+    word, or that word gets no token at all.
+    """
+    for index in range(1, len(words)):
+        left, right = words[index - 1], words[index]
+        # below U+0300 no character combines with the one before it (canonical class 0, NFC_QC Yes)
+        if space_after[index - 1] or not left or not right or right[0] < "\u0300":
+            continue
+        if any(unicodedata.normalize(form, left + right)  # type: ignore[arg-type]
+               != unicodedata.normalize(form, left) + unicodedata.normalize(form, right)  # type: ignore[arg-type]
+               for form in forms):
+            return index
+    return None
+
+
+def _unicode_forms(tokenizer) -> tuple[str, ...]:
+    """The Unicode normalizations the tokenizer's normalizer applies, probed on "é" and "e" + "\u0301"
+    (spelled alike by any of them): ("NFC", "NFKC") where it composes, ("NFD", "NFKD") where it
+    decomposes (BERT's accent stripping does), none without one (then offsets are exact)."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    if normalizer is None:
+        return ()
+    composed = normalizer.normalize_str("\u00e9")
+    if composed != normalizer.normalize_str("e\u0301"):
+        return ()
+    return ("NFC", "NFKC") if "\u00e9" in composed else ("NFD", "NFKD")
+
+
 def align_sentences(
     tokenizer,
     sentences: Sequence[Sequence[str]],
@@ -224,8 +261,15 @@ def align_sentences(
         return_offsets_mapping=True,
         return_special_tokens_mask=True,
     )
+    forms = _unicode_forms(tokenizer)
     results: list[Alignment | AlignmentError] = []
     for index, words in enumerate(sentences):
+        glued = None if space_after is None or not forms else _glued_across(words, space_after[index], forms)
+        if glued is not None:
+            results.append(AlignmentError(
+                f"word {glued + 1} {words[glued]!r} follows {words[glued - 1]!r} without a space and the "
+                "tokenizer's Unicode normalization merges their characters: no subword boundary separates them"))
+            continue
         ids = list(encoded["input_ids"][index])
 
         # A token's text is wanted only for an error: made then, not for every token (16k ids ~10 ms).
