@@ -4,7 +4,8 @@ For every pipeline of tests/support/tokenizers_zoo.py and every seed, random CoN
 sentences (tests/support/alignment_oracle.py) are aligned by headlab and by an independent
 oracle; a sentence headlab aligns must be aligned exactly as the oracle does (owners, truncation,
 pooled word attention), or refused. Each failure is printed with its seed and sentence, so that
-``--pipelines NAME --seeds S --sentences N`` replays it.
+``--pipelines NAME --seeds S --sentences N`` replays it (each sentence draws from its own
+``random.Random(f"{pipeline}/{seed}/{index}")``).
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         python experiments/fuzz_alignment.py --seeds 0-9 --sentences 200
@@ -18,8 +19,9 @@ import sys
 import time
 from collections import Counter
 
+from headlab.data.alignment import align_sentences
 from support.alignment_oracle import Failure, check_sentence, describe, random_sentence
-from support.tokenizers_zoo import PIPELINES
+from support.tokenizers_zoo import PIPELINES, zoo_tokenizer
 
 
 def seed_range(text: str) -> list[int]:
@@ -29,12 +31,18 @@ def seed_range(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+def refusal_reason(name, words, space_after, max_length) -> str:
+    result = align_sentences(zoo_tokenizer(name), [list(words)], max_length=max_length,
+                             space_after=None if space_after is None else [space_after])[0]
+    return str(result)
+
+
 def run(pipelines, seeds, sentences: int) -> Counter:
     counts: Counter = Counter()
     for name in pipelines:
         for seed in seeds:
-            rng = random.Random(f"{name}/{seed}")
             for index in range(sentences):
+                rng = random.Random(f"{name}/{seed}/{index}")  # each sentence replayable alone
                 words, space_after = random_sentence(rng)
                 max_length = rng.choice((None, None, rng.randint(1, 40)))
                 try:
@@ -42,6 +50,10 @@ def run(pipelines, seeds, sentences: int) -> Counter:
                 except Failure as failure:
                     outcome = "FAILED"
                     print(f"FAIL {name} seed={seed} sentence={index} max_length={max_length}: {failure}\n"
+                          f"     {describe(words, space_after)}", flush=True)
+                if outcome == "over-refused":  # safe, but worth reading: printed with headlab's reason
+                    print(f"OVER-REFUSED {name} seed={seed} sentence={index} max_length={max_length}: "
+                          f"{refusal_reason(name, words, space_after, max_length)}\n"
                           f"     {describe(words, space_after)}", flush=True)
                 counts[(name, outcome)] += 1
     return counts

@@ -116,6 +116,7 @@ def _align_one(
     special: list[int],
     token_text: Callable[[int], str],
     max_length: int | None,
+    carries_text: Callable[[int], bool] | None = None,
 ) -> Alignment:
     char_word = np.full(len(text) + 1, -1, dtype=np.int64)
     if len(spans) < _MANY_WORDS:
@@ -155,6 +156,8 @@ def _align_one(
     # A boundary-only token (no owned character) belongs to the word the next owned token opens;
     # those after the last owned token, to the word before them.
     pending = ~is_special & ~has_owner
+    if pending.any() and carries_text is not None:
+        _refuse_misplaced_text(np.nonzero(pending)[0], input_ids, bounds, carries_text, token_text)
     if pending.any():
         token_position = np.arange(n_tokens, dtype=np.int64)
         next_token = np.minimum.accumulate(np.where(has_owner, token_position, n_tokens)[::-1])[::-1]
@@ -231,6 +234,31 @@ def _unicode_forms(tokenizer) -> tuple[str, ...]:
     return ("NFC", "NFKC") if "\u00e9" in composed else ("NFD", "NFKD")
 
 
+def _refuse_misplaced_text(tokens: np.ndarray, input_ids: list[int], bounds: np.ndarray,
+                           carries_text: Callable[[int], bool], token_text: Callable[[int], str]) -> None:
+    """Raise for a token that covers no word's character yet stands for text: its offsets are off
+    (RoBERTa's ``trim_offsets`` after an added token typed in the text, "<s>f": "Ġf" at (4, 4)), so
+    the rule for boundary marks ("▁", "Ġ": the word they open) would hand its text to another word."""
+    checked: dict[int, bool] = {}  # per token id: a sentence's boundary tokens are a few ids
+    for t in tokens.tolist():
+        token_id = input_ids[t]
+        if token_id not in checked:
+            checked[token_id] = carries_text(token_id)
+        if checked[token_id]:
+            start, end = (int(x) for x in bounds[t])
+            raise AlignmentError(f"subword {token_text(t)!r} stands for text but its offsets ({start}, {end}) "
+                                 "cover no word's character: the tokenizer's offsets are off")
+
+
+def _text_carrier(tokenizer) -> Callable[[int], bool]:
+    """Whether a token id, decoded alone, leaves any character besides white space and "▁"."""
+    def carries_text(token_id: int) -> bool:
+        text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return any(not c.isspace() and c != "\u2581" for c in text)
+
+    return carries_text
+
+
 def align_sentences(
     tokenizer,
     sentences: Sequence[Sequence[str]],
@@ -262,6 +290,7 @@ def align_sentences(
         return_special_tokens_mask=True,
     )
     forms = _unicode_forms(tokenizer)
+    carries_text = _text_carrier(tokenizer)
     results: list[Alignment | AlignmentError] = []
     for index, words in enumerate(sentences):
         glued = None if space_after is None or not forms else _glued_across(words, space_after[index], forms)
@@ -284,6 +313,7 @@ def align_sentences(
                     list(encoded["special_tokens_mask"][index]),
                     token_text,
                     max_length,
+                    carries_text,
                 )
             )
         except AlignmentError as error:
