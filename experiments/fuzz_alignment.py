@@ -37,6 +37,18 @@ def refusal_reason(name, words, space_after, max_length) -> str:
     return str(result)
 
 
+REFUSAL_KINDS = {"spans the words": "a subword over two words", "gets no subword": "a word with no subword",
+                 "without a space": "a glued combining mark", "offsets": "offsets miss the subword's text",
+                 "maximum length": "no word fits max_length"}
+
+
+def refusal_kind(message: str) -> str:
+    return next((kind for key, kind in REFUSAL_KINDS.items() if key in message), "other")
+
+
+reasons: Counter = Counter()
+
+
 def run(pipelines, seeds, sentences: int) -> Counter:
     counts: Counter = Counter()
     for name in pipelines:
@@ -55,6 +67,8 @@ def run(pipelines, seeds, sentences: int) -> Counter:
                     print(f"OVER-REFUSED {name} seed={seed} sentence={index} max_length={max_length}: "
                           f"{refusal_reason(name, words, space_after, max_length)}\n"
                           f"     {describe(words, space_after)}", flush=True)
+                if outcome == "refused":
+                    reasons[refusal_kind(refusal_reason(name, words, space_after, max_length))] += 1
                 counts[(name, outcome)] += 1
     return counts
 
@@ -71,6 +85,7 @@ def main(argv=None) -> int:
     print(f"{'pipeline':20s}" + "".join(f"{o:>14s}" for o in outcomes))
     for name in args.pipelines:
         print(f"{name:20s}" + "".join(f"{counts[(name, o)]:14d}" for o in outcomes))
+    print("headlab's refusals: " + ", ".join(f"{kind} {n}" for kind, n in reasons.most_common()))
     print(f"{sum(counts.values())} sentences in {time.time() - start:.0f} s")
     return 1 if any(o == "FAILED" for _, o in counts) else 0
 

@@ -61,3 +61,23 @@ def test_a_combining_mark_after_a_space_is_not_refused(name):
     result = align_sentences(zoo_tokenizer(name), [["ab", "\u0301c"]], space_after=[[True, True]])[0]
     assert isinstance(result, Alignment) or "composes" not in str(result)
     assert "without a space" not in str(result)
+
+
+# Regression (session 46): RoBERTa's post-processor (add_prefix_space, trim_offsets) gives the first subword
+# after an added token typed in the text ("<s>", "</s>") an empty span one character too far ("<s>f b":
+# "Ġf" at (4, 4)); covering no word's character it was taken for a boundary mark and given to the next word.
+@pytest.mark.parametrize("words", [["<s>f", "b"], ["</s>f", "b"], ["x", "<s>ab", "c"]])
+def test_a_subword_whose_offsets_miss_its_text_is_refused(words):
+    assert reference_alignment("roberta", words, None).refusal is not None
+    result = align_sentences(zoo_tokenizer("roberta"), [words])[0]
+    assert isinstance(result, AlignmentError)
+    assert "offsets" in str(result) and "cover no word" in str(result)
+
+
+@pytest.mark.parametrize("name", ["roberta", "t5", "llama2", "mistral-metaspace"])
+def test_boundary_marks_still_open_their_word(name):
+    """A lone "▁" or a prefix "Ġ" (no text of its own) still belongs to the word it opens."""
+    words = ["The", "dog", "sleeps", "."]
+    assert check_sentence(name, words, None, None, random.Random(0)) == "aligned"
+    owners = align_sentences(zoo_tokenizer(name), [words])[0].word_of_token.tolist()
+    assert [w for w in owners if w >= 0] == sorted(w for w in owners if w >= 0)

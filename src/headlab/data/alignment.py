@@ -3,7 +3,10 @@
 A sentence's words are joined into a text (by single spaces, or with the treebank's own
 spacing) and tokenized with character offsets. Every subword belongs to the word whose
 characters it covers; a token made only of a word-boundary marker (SentencePiece's lone "▁")
-belongs to the word it opens. Special tokens (EOS, BOS, CLS, SEP) belong to no word.
+belongs to the word it opens. Special tokens (EOS, BOS, CLS, SEP) belong to no word. A sentence
+that cannot be aligned exactly is an :class:`AlignmentError` (the caller skips and counts it): a
+subword over two words, a word with no subword, a combining mark glued to the word before it under
+a normalizer that would merge them, a subword whose offsets miss its own text.
 
 Attention between words follows Clark et al. 2019 (Sec. 4.1, "What Does BERT Look At?"):
 attention *to* a word is the sum of the attention to its subwords, attention *from* a word is
