@@ -239,25 +239,28 @@ def _unicode_forms(tokenizer) -> tuple[str, ...]:
 
 def _refuse_misplaced_text(tokens: np.ndarray, input_ids: list[int], bounds: np.ndarray,
                            carries_text: Callable[[int], bool], token_text: Callable[[int], str]) -> None:
-    """Raise for a token that covers no word's character yet stands for text: its offsets are off
-    (RoBERTa's ``trim_offsets`` after an added token typed in the text, "<s>f": "Ġf" at (4, 4)), so
-    the rule for boundary marks ("▁", "Ġ": the word they open) would hand its text to another word."""
-    checked: dict[int, bool] = {}  # per token id: a sentence's boundary tokens are a few ids
-    for t in tokens.tolist():
-        token_id = input_ids[t]
-        if token_id not in checked:
-            checked[token_id] = carries_text(token_id)
-        if checked[token_id]:
-            start, end = (int(x) for x in bounds[t])
-            raise AlignmentError(f"subword {token_text(t)!r} stands for text but its offsets ({start}, {end}) "
-                                 "cover no word's character: the tokenizer's offsets are off")
+    """Raise for a token (of ``tokens``, those that cover no word's character) that stands for text:
+    its offsets are off (RoBERTa's ``trim_offsets`` after an added token typed in the text, "<s>f":
+    "Ġf" at (4, 4)), so the rule for boundary marks ("▁", "Ġ": the word they open) would hand its
+    text to another word. Checked per distinct id (a sentence's boundary tokens are a few ids)."""
+    ids = np.asarray(input_ids, dtype=np.int64)[tokens]
+    wrong = [token_id for token_id in np.unique(ids).tolist() if carries_text(token_id)]
+    if wrong:
+        t = int(tokens[np.isin(ids, wrong)][0])
+        start, end = (int(x) for x in bounds[t])
+        raise AlignmentError(f"subword {token_text(t)!r} stands for text but its offsets ({start}, {end}) "
+                             "cover no word's character: the tokenizer's offsets are off")
 
 
 def _text_carrier(tokenizer) -> Callable[[int], bool]:
-    """Whether a token id, decoded alone, leaves any character besides white space and "▁"."""
+    """Whether a token id, decoded alone, leaves any character besides white space and "▁" (once per id)."""
+    known: dict[int, bool] = {}
+
     def carries_text(token_id: int) -> bool:
-        text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return any(not c.isspace() and c != "\u2581" for c in text)
+        if token_id not in known:
+            text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            known[token_id] = any(not c.isspace() and c != "\u2581" for c in text)
+        return known[token_id]
 
     return carries_text
 
