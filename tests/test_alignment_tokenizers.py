@@ -15,8 +15,9 @@ from headlab.data.alignment import Alignment, AlignmentError, align_sentences
 from support.alignment_oracle import KINDS, check_sentence, reference_alignment
 from support.tokenizers_zoo import PIPELINES, zoo_tokenizer
 
-# derandomize: the same examples every run; 6000 random sentences per pipeline passed in the campaign.
-SETTINGS = settings(max_examples=250, deadline=None, database=None, derandomize=True,
+# derandomize: the same examples every run (~30 s on one thread; on old main it finds the RoBERTa offsets
+# defect below); experiments/fuzz_alignment.py checked 6000 random sentences per pipeline (session 46).
+SETTINGS = settings(max_examples=3000, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 PIECES = sorted({piece for kind in KINDS for piece in kind})

@@ -190,6 +190,8 @@ def check_sentence(name: str, words, space_after, max_length: int | None, rng: r
             return "refused"
         if max_length is not None and _first_word_too_long(ref, max_length):
             return "refused"  # "no word fits in the model's maximum length"
+        if ref.unverified:
+            return "refused"  # an unknown token's content is unknown: the oracle cannot vouch for the sentence
         return "over-refused"
     assert isinstance(got, Alignment)
     if ref.refusal is not None:
