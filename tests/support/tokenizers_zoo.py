@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -201,10 +202,27 @@ BUILDERS = {
 PIPELINES = tuple(BUILDERS)
 
 
+# The trained pipelines, frozen: tokenizers' trainers break ties between equally frequent pairs in
+# hash-map order, which differs between processes, so a retrained vocabulary (and a fuzz
+# campaign's counts) would too. `python tests/support/tokenizers_zoo.py` writes them again.
+FROZEN = Path(__file__).with_name("tokenizers_zoo_frozen")
+
+
 @lru_cache(maxsize=None)
 def zoo_tokenizer(name: str) -> PreTrainedTokenizerFast:
-    """The pipeline ``name`` (one of :data:`PIPELINES`), built once per process."""
-    return BUILDERS[name]()
+    """The pipeline ``name`` (one of :data:`PIPELINES`): its frozen tokenizer.json with the special
+    tokens of its builder, once per process."""
+    built = BUILDERS[name]()
+    path = FROZEN / f"{name}.json"
+    if not path.exists():
+        return built
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)), **built.special_tokens_map)
+
+
+def freeze() -> None:
+    FROZEN.mkdir(exist_ok=True)
+    for name, build in BUILDERS.items():
+        build().backend_tokenizer.save(str(FROZEN / f"{name}.json"))
 
 
 def normalized(tokenizer: PreTrainedTokenizerFast, text: str) -> str:
@@ -226,3 +244,7 @@ def token_bytes(name: str, piece: str) -> bytes | None:
     if name.startswith("bert") and piece.startswith("##"):
         piece = piece[2:]
     return piece.encode("utf-8")
+
+
+if __name__ == "__main__":
+    freeze()
