@@ -3,7 +3,10 @@
 A sentence's words are joined into a text (by single spaces, or with the treebank's own
 spacing) and tokenized with character offsets. Every subword belongs to the word whose
 characters it covers; a token made only of a word-boundary marker (SentencePiece's lone "▁")
-belongs to the word it opens. Special tokens (EOS, BOS, CLS, SEP) belong to no word.
+belongs to the word it opens. Special tokens (EOS, BOS, CLS, SEP) belong to no word. A sentence
+that cannot be aligned exactly is an :class:`AlignmentError` (the caller skips and counts it): a
+subword over two words, a word with no subword, a combining mark glued to the word before it under
+a normalizer that would merge them, a subword whose offsets miss its own text.
 
 Attention between words follows Clark et al. 2019 (Sec. 4.1, "What Does BERT Look At?"):
 attention *to* a word is the sum of the attention to its subwords, attention *from* a word is
@@ -17,6 +20,7 @@ subwords to any of the key word's subwords.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate, chain
@@ -115,6 +119,7 @@ def _align_one(
     special: list[int],
     token_text: Callable[[int], str],
     max_length: int | None,
+    carries_text: Callable[[int], bool] | None = None,
 ) -> Alignment:
     char_word = np.full(len(text) + 1, -1, dtype=np.int64)
     if len(spans) < _MANY_WORDS:
@@ -154,6 +159,8 @@ def _align_one(
     # A boundary-only token (no owned character) belongs to the word the next owned token opens;
     # those after the last owned token, to the word before them.
     pending = ~is_special & ~has_owner
+    if pending.any() and carries_text is not None:
+        _refuse_misplaced_text(np.nonzero(pending)[0], input_ids, bounds, carries_text, token_text)
     if pending.any():
         token_position = np.arange(n_tokens, dtype=np.int64)
         next_token = np.minimum.accumulate(np.where(has_owner, token_position, n_tokens)[::-1])[::-1]
@@ -194,6 +201,70 @@ def _align_one(
     return Alignment(tuple(input_ids), word_of_token, kept, truncated)
 
 
+def _glued_across(words: Sequence[str], space_after: Sequence[bool], forms: tuple[str, ...]) -> int | None:
+    """The first word (index) that the Unicode normalization ``forms`` would merge with the word
+    before it, joined without a space (``SpaceAfter=No``); None when there is none.
+
+    A word that begins with a combining mark ("\u0301") or a conjoining Hangul vowel, glued to the
+    word before it, composes with that word's last character under NFC/NFKC ("e" + "\u0301" ->
+    "é"), and canonical reordering can move marks across the boundary under any form. The
+    tokenizer then gives the merged character the offsets of one original character only
+    (tokenizers' alignment tracking), so the other word's part of it goes silently to the wrong
+    word, or that word gets no token at all.
+    """
+    for index in range(1, len(words)):
+        left, right = words[index - 1], words[index]
+        # below U+0300 no character combines with the one before it (canonical class 0, NFC_QC Yes)
+        if space_after[index - 1] or not left or not right or right[0] < "\u0300":
+            continue
+        if any(unicodedata.normalize(form, left + right)  # type: ignore[arg-type]
+               != unicodedata.normalize(form, left) + unicodedata.normalize(form, right)  # type: ignore[arg-type]
+               for form in forms):
+            return index
+    return None
+
+
+def _unicode_forms(tokenizer) -> tuple[str, ...]:
+    """The Unicode normalizations the tokenizer's normalizer applies, probed on "é" and "e" + "\u0301"
+    (spelled alike by any of them): ("NFC", "NFKC") where it composes, ("NFD", "NFKD") where it
+    decomposes (BERT's accent stripping does), none without one (then offsets are exact)."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    if normalizer is None:
+        return ()
+    composed = normalizer.normalize_str("\u00e9")
+    if composed != normalizer.normalize_str("e\u0301"):
+        return ()
+    return ("NFC", "NFKC") if "\u00e9" in composed else ("NFD", "NFKD")
+
+
+def _refuse_misplaced_text(tokens: np.ndarray, input_ids: list[int], bounds: np.ndarray,
+                           carries_text: Callable[[int], bool], token_text: Callable[[int], str]) -> None:
+    """Raise for a token (of ``tokens``, those that cover no word's character) that stands for text:
+    its offsets are off (RoBERTa's ``trim_offsets`` after an added token typed in the text, "<s>f":
+    "Ġf" at (4, 4)), so the rule for boundary marks ("▁", "Ġ": the word they open) would hand its
+    text to another word. Checked per distinct id (a sentence's boundary tokens are a few ids)."""
+    ids = np.asarray(input_ids, dtype=np.int64)[tokens]
+    wrong = [token_id for token_id in np.unique(ids).tolist() if carries_text(token_id)]
+    if wrong:
+        t = int(tokens[np.isin(ids, wrong)][0])
+        start, end = (int(x) for x in bounds[t])
+        raise AlignmentError(f"subword {token_text(t)!r} stands for text but its offsets ({start}, {end}) "
+                             "cover no word's character: the tokenizer's offsets are off")
+
+
+def _text_carrier(tokenizer) -> Callable[[int], bool]:
+    """Whether a token id, decoded alone, leaves any character besides white space and "▁" (once per id)."""
+    known: dict[int, bool] = {}
+
+    def carries_text(token_id: int) -> bool:
+        if token_id not in known:
+            text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            known[token_id] = any(not c.isspace() and c != "\u2581" for c in text)
+        return known[token_id]
+
+    return carries_text
+
+
 def align_sentences(
     tokenizer,
     sentences: Sequence[Sequence[str]],
@@ -224,8 +295,16 @@ def align_sentences(
         return_offsets_mapping=True,
         return_special_tokens_mask=True,
     )
+    forms = _unicode_forms(tokenizer)
+    carries_text = _text_carrier(tokenizer)
     results: list[Alignment | AlignmentError] = []
     for index, words in enumerate(sentences):
+        glued = None if space_after is None or not forms else _glued_across(words, space_after[index], forms)
+        if glued is not None:
+            results.append(AlignmentError(
+                f"word {glued + 1} {words[glued]!r} follows {words[glued - 1]!r} without a space and the "
+                "tokenizer's Unicode normalization merges their characters: no subword boundary separates them"))
+            continue
         ids = list(encoded["input_ids"][index])
 
         # A token's text is wanted only for an error: made then, not for every token (16k ids ~10 ms).
@@ -240,6 +319,7 @@ def align_sentences(
                     list(encoded["special_tokens_mask"][index]),
                     token_text,
                     max_length,
+                    carries_text,
                 )
             )
         except AlignmentError as error:
