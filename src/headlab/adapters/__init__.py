@@ -754,8 +754,6 @@ def check_sink_eager(model_type: str | None, core: nn.Module) -> None:
     which capture runs, through its own registered attention function, to return the weights its values get
     (:func:`headlab.capture.sink_scaled_eager`);
     a transformers version without it is refused here, before any work, not with an AttributeError mid-capture."""
-    import sys
-
     if model_type not in SINKS_SCALE_OUTPUT:
         return
     name = type(core).__module__
@@ -838,15 +836,17 @@ def _broken_flex(config: Any) -> str | None:
     if found is None or getattr(config, "_attn_implementation", None) != "flex_attention":
         return None
     what, marker = found
-    modules = (f"transformers.models.{config.model_type}.modeling_{config.model_type}",
-               "transformers.integrations.flex_attention")
-    for module in (sys.modules.get(name) for name in modules):
-        try:
-            if module is not None and marker in inspect.getsource(module):
-                return what
-        except (OSError, TypeError):
-            continue
-    return None
+    modules = (f"transformers.models.{config.model_type}.modeling_{config.model_type}", _FLEX_MODULE)
+    return what if any(marker in _source(name) for name in modules) else None
+
+
+_FLEX_MODULE = "transformers.integrations.flex_attention"
+"""transformers' flex attention function, whose source says what it refuses."""
+
+
+def _loaded_with_flex(model: nn.Module) -> bool:
+    """Whether any attention config of ``model`` runs ``attn_implementation="flex_attention"``."""
+    return any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model))
 
 
 def refuse_broken_flex(model: nn.Module, what: str) -> None:
@@ -873,18 +873,14 @@ def _flex_sinks_on_cpu(model: nn.Module) -> bool:
     """A model with learned attention sinks (:data:`~headlab.adapters.families.ATTENTION_SINKS`' ``sinks``), loaded
     with flex attention and on a CPU, where transformers' ``flex_attention_forward`` raises a ValueError (5.24: it
     asks flex for the log-sum-exp the sinks need only off a CPU; its source's test)."""
-    if not any(getattr(c, "_attn_implementation", None) == "flex_attention" for c in attention_configs(model)):
+    if not _loaded_with_flex(model):
         return False
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
         return False
     if not any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         return False
-    module = sys.modules.get("transformers.integrations.flex_attention")
-    try:
-        return module is not None and "Attention sinks cannot be run on CPU" in inspect.getsource(module)
-    except (OSError, TypeError):
-        return False
+    return "Attention sinks cannot be run on CPU" in _source(_FLEX_MODULE)
 
 
 def flex_without_backward(model: nn.Module, device: torch.device | None = None) -> str | None:
@@ -893,7 +889,7 @@ def flex_without_backward(model: nn.Module, device: torch.device | None = None) 
     NotImplementedError for a backward pass (torch 2.13, ``flex_attention._validate_device``: its source's test, so a
     torch that adds one is not refused). For the callers that differentiate the model's own forward (gradient
     importance, gated training), before any work."""
-    if not any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model)):
+    if not _loaded_with_flex(model):
         return None
     parameter = next(model.parameters(), None)
     device = device if device is not None else parameter.device if parameter is not None else None
@@ -911,13 +907,7 @@ def flex_attention_dropout(model: nn.Module) -> str | None:
     transformers' ``flex_attention_forward`` refuses with a ValueError (5.24: "does not support `dropout`") at the
     first training step. Read off the attention modules' own attributes, the ones those calls pass; for gated training,
     before any work."""
-    if not any(getattr(config, "_attn_implementation", None) == "flex_attention" for config in attention_configs(model)):
-        return None
-    module = sys.modules.get("transformers.integrations.flex_attention")
-    try:
-        if module is None or "does not support `dropout`" not in inspect.getsource(module):
-            return None
-    except (OSError, TypeError):
+    if not _loaded_with_flex(model) or "does not support `dropout`" not in _source(_FLEX_MODULE):
         return None
     for block in attention_blocks(model):
         for name in ("attention_dropout", "dropout"):
@@ -959,9 +949,6 @@ def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:
 
 def _source(module_name: str) -> str:
     """The source text of a loaded module ("" when it cannot be read)."""
-    import inspect
-    import sys
-
     try:
         return inspect.getsource(sys.modules[module_name])
     except (KeyError, OSError, TypeError):
@@ -1136,8 +1123,6 @@ def _columns_after(where: str, core: nn.Module, family: Family) -> int:
 
 def _selection_argument(core: nn.Module) -> str | None:
     """GLM-MoE-DSA's attention takes the previous layer's top-k selection and returns its own (or that one)."""
-    import inspect
-
     return "prev_topk_indices" if "prev_topk_indices" in inspect.signature(type(core).forward).parameters else None
 
 
